@@ -1,0 +1,1 @@
+"""ddserve runtime: config models, engines, the OpenAI-compatible servers."""

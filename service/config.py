@@ -1,0 +1,126 @@
+"""Config models of one engine: validated once, frozen, hashed into `system_fingerprint`.
+
+`LiveParams` are the fields users tune while serving (tree budget, top-k, drafter window,
+sampling defaults); the builtin engine swaps them between decoding rounds without reloading
+weights. Everything else in `EngineConfig` needs a new engine process.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from service.errors import ConfigError
+
+MAX_BUDGET = 256
+MAX_TOPK = 64
+MAX_DEPTH = 64
+MAX_TEMPERATURE = 100.0
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class LiveParams(_Frozen):
+    """Parameters that can change between decoding rounds (the reconfig controller's fields)."""
+
+    budget: int = Field(8, ge=0, le=MAX_BUDGET, description="Draft tree size: non-root nodes verified per round; 0 = plain autoregressive decoding.")
+    topk: int = Field(4, ge=1, le=MAX_TOPK, description="Candidates per depth the tree may branch into; 1 = a chain.")
+    window: int = Field(2048, ge=1, le=1 << 20, description="Most recent tokens the drafter attends to.")
+    temperature: float = Field(0.0, ge=0.0, le=MAX_TEMPERATURE, description="Default sampling temperature; 0 = greedy.")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Default nucleus mass in (0, 1].")
+    top_k: int = Field(0, ge=0, description="Default top-k sampling filter; 0 = off.")
+
+    @field_validator("temperature", "top_p")
+    @classmethod
+    def _finite(cls, v: float) -> float:
+        if not math.isfinite(v):
+            raise ValueError("must be a finite number")
+        return v
+
+
+class DrafterConfig(_Frozen):
+    """Which drafter proposes the per-depth distributions the tree is built from."""
+
+    kind: Literal["ngram", "draft-model", "layer-skip", "none"] = Field(
+        "ngram", description="ngram: prompt lookup (no weights); draft-model: a smaller LM with the target's tokenizer; layer-skip: the target's first `layers` layers; none: autoregressive."
+    )
+    depth: int = Field(8, ge=1, le=MAX_DEPTH, description="L: draft positions per round (tree depth limit).")
+    draft_model: str | None = Field(None, description="Model spec of the draft model (kind=draft-model).")
+    layers: int = Field(8, ge=1, description="Target layers the layer-skip drafter keeps.")
+    ngram_max: int = Field(4, ge=1, le=16, description="Longest context suffix the n-gram drafter matches.")
+    ngram_min: int = Field(1, ge=1, le=16, description="Shortest context suffix the n-gram drafter matches.")
+
+    @model_validator(mode="after")
+    def _check(self) -> DrafterConfig:
+        if self.kind == "draft-model" and not self.draft_model:
+            raise ValueError("drafter.kind=draft-model needs drafter.draft_model (a model spec)")
+        if self.ngram_min > self.ngram_max:
+            raise ValueError(f"ngram_min={self.ngram_min} > ngram_max={self.ngram_max}; make ngram_min <= ngram_max")
+        return self
+
+
+class EngineConfig(_Frozen):
+    """Everything one engine process serves with."""
+
+    model: str = Field("smollm2-135m", description="Model spec: 'smollm2-135m' (bundled GGUF), 'tiny-random[:seed]', a .gguf file or a directory saved by ddserve.")
+    served_name: str | None = Field(None, description="Model id in the OpenAI API; defaults to `model`.")
+    drafter: DrafterConfig = Field(default_factory=DrafterConfig)
+    params: LiveParams = Field(default_factory=LiveParams)
+    max_context: int | None = Field(None, ge=2, description="Longest prompt + completion; defaults to the model's own limit.")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto = cuda when available.")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("auto", description="auto = float32 on CPU, bfloat16 on GPU.")
+    seed: int = Field(0, description="Seed of requests that give none (sampling stays reproducible per request).")
+
+    @property
+    def model_id(self) -> str:
+        return self.served_name or self.model
+
+    def fingerprint(self, resolved_dtype: str | None = None) -> str:
+        """Short hash of everything that changes what the engine serves."""
+        payload = {
+            "model": self.model,
+            "drafter": self.drafter.model_dump(),
+            "params": self.params.model_dump(),
+            "dtype": resolved_dtype or self.dtype,
+        }
+        digest = hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
+        return "fp_" + digest[:10]
+
+    def with_params(self, **changes) -> EngineConfig:
+        """A new config with some live parameters changed, validated like the original."""
+        merged = {**self.params.model_dump(), **changes}
+        return self.model_copy(update={"params": validate(LiveParams, merged)})
+
+
+def validate(model: type[BaseModel], data: dict) -> BaseModel:
+    """Validate `data` into `model`; on failure raise ConfigError with one readable line."""
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(describe_validation_error(exc), param=_first_loc(exc)) from exc
+
+
+def _first_loc(exc: ValidationError) -> str | None:
+    errs = exc.errors()
+    return ".".join(str(p) for p in errs[0]["loc"]) if errs and errs[0]["loc"] else None
+
+
+def describe_validation_error(exc: ValidationError) -> str:
+    """'field=value: what is allowed' for the first error (the rest follow, ';'-separated)."""
+    parts = []
+    for err in exc.errors():
+        loc = ".".join(str(p) for p in err["loc"]) or "config"
+        msg = err["msg"].removeprefix("Value error, ")
+        if err["type"] == "extra_forbidden":
+            parts.append(f"{loc}: unknown field")
+        elif "input" in err and not isinstance(err["input"], dict):
+            parts.append(f"{loc}={err['input']!r}: {msg}")
+        else:
+            parts.append(f"{loc}: {msg}")
+    return "; ".join(parts)

