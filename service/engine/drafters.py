@@ -140,6 +140,10 @@ class ModelDrafter:
                 state.cached.clear()
                 base = cache.start_pos = len(ctx.tokens) - ctx.window
                 common = 0
+        if base + common == len(ctx.tokens):  # all cached: re-feed the root for its logits
+            common -= 1
+            cache.truncate(common)
+            del state.cached[common:]
         new = ctx.tokens[base + common :]
         rows = []
         for _ in range(depth):

@@ -1,0 +1,245 @@
+"""The builtin engine's runtime: a worker thread that interleaves requests round by round.
+
+Interface (what the server, tests and benchmarks use):
+    EngineRunner.start()                      load weights, warm up, start the worker
+    EngineRunner.generate(prompt, sampling)   async iterator of StepOutput; the last one has
+                                              finished=True and the request's stats.
+                                              Errors raise from the iterator (EngineError);
+                                              closing the iterator early cancels the request.
+    EngineRunner.update_params(**changes)     validate, swap between rounds, return the config
+    EngineRunner.check_health()               a real one-token generation
+    EngineRunner.shutdown()
+
+Each request keeps its own KV cache; the worker runs one DDTree round of every active
+request in turn, so concurrent requests all progress and stream. Live parameters are read
+once per round, so a change applies atomically to whole rounds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import torch
+
+from service.config import EngineConfig, LiveParams
+from service.engine.ddtree import DDTreeEngine, Sequence
+from service.engine.drafters import Drafter, ModelDrafter, NGramDrafter, NoDrafter
+from service.engine.sampling import RequestStats, SamplingParams
+from service.engine.weights import LoadedModel, load_model
+from service.errors import ContextLengthExceeded, EngineError, EngineUnavailable, InvalidRequest
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class StepOutput:
+    token_ids: list[int]  # new tokens of this round
+    finished: bool
+    finish_reason: str | None
+    fingerprint: str
+    stats: RequestStats  # the request's statistics so far
+
+
+class _Request:
+    def __init__(self, seq: Sequence, loop: asyncio.AbstractEventLoop):
+        self.seq = seq
+        self.loop = loop
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.cancelled = False
+        self.prefilled = False
+
+    def deliver(self, item) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+
+def resolve_device(config: EngineConfig) -> tuple[str, torch.dtype]:
+    device = config.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise EngineUnavailable("device=cuda but no CUDA device is visible")
+    dtype = config.dtype
+    if dtype == "auto":
+        dtype = "bfloat16" if device == "cuda" else "float32"
+    return device, getattr(torch, dtype)
+
+
+def build_drafter(config: EngineConfig, target: LoadedModel, device: str, dtype: torch.dtype) -> Drafter:
+    d = config.drafter
+    if d.kind == "none":
+        return NoDrafter()
+    if d.kind == "ngram":
+        return NGramDrafter(target.model.cfg.vocab_size, d.ngram_max, d.ngram_min)
+    if d.kind == "layer-skip":
+        if d.layers >= target.model.cfg.num_layers:
+            raise InvalidRequest(f"drafter.layers={d.layers}: must be below the target's {target.model.cfg.num_layers} layers", param="drafter.layers")
+        return ModelDrafter(target.model, d.layers, name="layer-skip")
+    draft = load_model(d.draft_model, device, dtype, with_tokenizer=False).model
+    if draft.cfg.vocab_size != target.model.cfg.vocab_size:
+        raise InvalidRequest(f"drafter.draft_model={d.draft_model!r} has vocab {draft.cfg.vocab_size}, the target {target.model.cfg.vocab_size}: they must share a tokenizer", param="drafter.draft_model")
+    return ModelDrafter(draft)
+
+
+class EngineRunner:
+    def __init__(self, config: EngineConfig, *, loaded: LoadedModel | None = None):
+        self.config = config
+        self._loaded = loaded
+        self.engine: DDTreeEngine | None = None
+        self.tokenizer = None
+        self.max_context = 0
+        self._fingerprint = ""
+        self._dtype_name = ""
+        self._pending: list[_Request] = []
+        self._active: list[_Request] = []
+        self._cv = threading.Condition()
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self.started_at = 0.0
+        self.load_s = 0.0
+
+    # -- lifecycle --------------------------------------------------------------------
+    def start(self) -> None:
+        t0 = time.perf_counter()
+        device, dtype = resolve_device(self.config)
+        self._dtype_name = str(dtype).removeprefix("torch.")
+        loaded = self._loaded or load_model(self.config.model, device, dtype)
+        model = loaded.model.to(device=device, dtype=dtype)
+        self.tokenizer = loaded.tokenizer
+        drafter = build_drafter(self.config, loaded, device, dtype)
+        self.engine = DDTreeEngine(model, drafter, self.config.drafter.depth, model.cfg.eos_token_ids)
+        self.max_context = self.config.max_context or model.cfg.max_position
+        self._fingerprint = self.config.fingerprint(self._dtype_name)
+        self.engine.generate([model.cfg.bos_token_id or 0], SamplingParams(max_tokens=2), self.config.params)
+        self._thread = threading.Thread(target=self._loop, name="ddtree-worker", daemon=True)
+        self._thread.start()
+        self.load_s = time.perf_counter() - t0
+        self.started_at = time.time()
+        log.info("engine ready in %.1fs: model=%s drafter=%s fingerprint=%s", self.load_s, self.config.model, drafter.name, self._fingerprint)
+
+    def shutdown(self) -> None:
+        with self._cv:
+            self._stopping = True
+            self._cv.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+        for req in self._pending + self._active:
+            req.deliver(EngineUnavailable("engine is shutting down"))
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and not self._stopping
+
+    @property
+    def fingerprint(self) -> str:
+        return self._fingerprint
+
+    @property
+    def load(self) -> dict:
+        return {"running": len(self._active), "waiting": len(self._pending)}
+
+    # -- live parameters --------------------------------------------------------------
+    def update_params(self, **changes) -> EngineConfig:
+        """Validate and swap live parameters; in force for every round that starts after
+        this returns. Invalid values raise ConfigError and change nothing."""
+        new = self.config.with_params(**changes)
+        with self._cv:  # the worker reads config under the lock at each round start
+            self.config = new
+            self._fingerprint = new.fingerprint(self._dtype_name)
+        log.info("live params now %s (%s)", new.params.model_dump(), self._fingerprint)
+        return new
+
+    # -- requests ---------------------------------------------------------------------
+    def check_prompt(self, prompt: list[int], max_tokens: int | None) -> int:
+        """Validate lengths; return the effective max_tokens."""
+        if not prompt:
+            raise InvalidRequest("the prompt is empty", param="prompt")
+        room = self.max_context - len(prompt)
+        if room <= 0:
+            raise ContextLengthExceeded(f"the prompt has {len(prompt)} tokens; this model's maximum context length is {self.max_context} tokens", param="messages")
+        if max_tokens is None:
+            return room
+        if max_tokens > room:
+            raise ContextLengthExceeded(f"max_tokens={max_tokens} plus the prompt's {len(prompt)} tokens exceeds the maximum context length of {self.max_context} tokens; ask for at most {room}", param="max_tokens")
+        return max_tokens
+
+    async def generate(self, prompt: list[int], sampling: SamplingParams) -> AsyncIterator[StepOutput]:
+        if not self.alive:
+            raise EngineUnavailable("engine is not running")
+        vocab = self.engine.model.cfg.vocab_size
+        if any(not 0 <= t < vocab for t in prompt):
+            raise InvalidRequest(f"token ids must be in [0, {vocab})", param="input_ids")
+        req = _Request(self.engine.new_sequence(prompt, sampling), asyncio.get_running_loop())
+        with self._cv:
+            self._pending.append(req)
+            self._cv.notify()
+        try:
+            while True:
+                item = await req.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finished:
+                    return
+        finally:
+            req.cancelled = True
+
+    async def check_health(self, timeout: float = 60.0) -> float:
+        """A real generation of one token; returns its latency in seconds."""
+        t0 = time.perf_counter()
+        prompt = [self.engine.model.cfg.bos_token_id or 0] if self.engine else [0]
+
+        async def one() -> int:
+            n = 0
+            async for out in self.generate(prompt, SamplingParams(max_tokens=1, ignore_eos=True)):
+                n += len(out.token_ids)
+            return n
+
+        try:
+            n = await asyncio.wait_for(one(), timeout)
+        except TimeoutError as exc:
+            raise EngineUnavailable(f"health generation did not finish within {timeout:.0f}s") from exc
+        if n < 1:
+            raise EngineError("health generation returned no token")
+        return time.perf_counter() - t0
+
+    # -- worker -----------------------------------------------------------------------
+    def _loop(self) -> None:
+        torch.set_grad_enabled(False)
+        while True:
+            with self._cv:
+                while not self._stopping and not self._pending and not self._active:
+                    self._cv.wait()
+                if self._stopping:
+                    return
+                self._active.extend(self._pending)
+                self._pending.clear()
+                active = list(self._active)
+            for req in active:
+                with self._cv:
+                    params, fingerprint = self.config.params, self._fingerprint
+                self._run_round(req, params, fingerprint)
+            with self._cv:
+                self._active = [r for r in self._active if not (r.cancelled or r.seq.finished)]
+
+    def _run_round(self, req: _Request, params: LiveParams, fingerprint: str) -> None:
+        if req.cancelled:
+            return
+        seq = req.seq
+        try:
+            if not req.prefilled:
+                self.engine.prefill(seq)
+                req.prefilled = True
+            new = self.engine.step(seq, params)
+        except Exception as exc:  # torch errors and EngineError alike end this request only
+            log.exception("request failed in the engine")
+            err = exc if isinstance(exc, EngineError) else EngineError(f"engine failure: {exc}")
+            seq.finish_reason = "error"
+            req.deliver(err)
+            return
+        done = seq.finished
+        req.deliver(StepOutput(new, done, seq.finish_reason, fingerprint, seq.stats))

@@ -1,0 +1,1 @@
+"""HTTP servers: the engine server (native generate, OpenAI API, health, admin)."""

@@ -1,0 +1,71 @@
+"""OpenAI response bodies (chat.completion, text_completion and their stream chunks)."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+
+from service.engine.sampling import RequestStats
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+def usage(stats: RequestStats | None) -> dict:
+    p = stats.prompt_tokens if stats else 0
+    c = stats.completion_tokens if stats else 0
+    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+
+def ddtree_ext(stats: RequestStats | None) -> dict:
+    """Extension field `ddtree`: the request's speculation statistics."""
+    if stats is None:
+        return {}
+    return {
+        "verify_rounds": stats.verify_rounds,
+        "accept_length": round(stats.tau, 4),
+        "draft_ms": round(stats.draft_s * 1e3, 2),
+        "verify_ms": round(stats.verify_s * 1e3, 2),
+        "prefill_ms": round(stats.prefill_s * 1e3, 2),
+    }
+
+
+def chat_response(rid: str, model: str, text: str, finish: str | None, fp: str, stats: RequestStats | None) -> dict:
+    return {
+        "id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
+        "system_fingerprint": fp,
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None, "finish_reason": finish}],
+        "usage": usage(stats), "ddtree": ddtree_ext(stats),
+    }
+
+
+def completion_response(rid: str, model: str, text: str, finish: str | None, fp: str, stats: RequestStats | None) -> dict:
+    return {
+        "id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
+        "system_fingerprint": fp,
+        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}],
+        "usage": usage(stats), "ddtree": ddtree_ext(stats),
+    }
+
+
+def chat_chunk(rid: str, model: str, created: int, fp: str, delta: dict, finish: str | None = None) -> dict:
+    return {
+        "id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+        "system_fingerprint": fp,
+        "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}],
+    }
+
+
+def completion_chunk(rid: str, model: str, created: int, fp: str, text: str, finish: str | None = None) -> dict:
+    return {
+        "id": rid, "object": "text_completion", "created": created, "model": model,
+        "system_fingerprint": fp,
+        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}],
+    }
+
+
+def sse(data: dict | str) -> str:
+    body = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"))
+    return f"data: {body}\n\n"

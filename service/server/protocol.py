@@ -1,0 +1,98 @@
+"""Request bodies of the OpenAI-compatible and native (SGLang-style) endpoints."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from service.config import MAX_TEMPERATURE
+
+
+class _Body(BaseModel):
+    # unknown OpenAI fields (presence_penalty, user, ...) are accepted and ignored
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+
+
+class Sampling(_Body):
+    """Sampling fields shared by chat and completions; None = the engine's live default."""
+
+    max_tokens: int | None = Field(None, gt=0, description="Completion tokens at most; default: the rest of the context.")
+    temperature: float | None = Field(None, ge=0.0, le=MAX_TEMPERATURE)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=0, description="Extension: top-k filter; 0 = off.")
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    n: int = Field(1, ge=1, le=1, description="Only one choice per request is supported.")
+    ignore_eos: bool = Field(False, description="Extension: keep generating past EOS.")
+    stream: bool = False
+    stream_options: dict | None = None
+
+    @property
+    def stop_list(self) -> tuple[str, ...]:
+        if self.stop is None:
+            return ()
+        stops = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+        return tuple(s for s in stops if s)
+
+
+class ContentPart(_Body):
+    type: Literal["text"]
+    text: str
+
+
+class Message(_Body):
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: str | list[ContentPart] | None = None
+
+    @property
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(p.text for p in self.content)
+
+
+class ChatCompletionRequest(Sampling):
+    model: str
+    messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, gt=0)
+
+    @model_validator(mode="after")
+    def _alias(self) -> ChatCompletionRequest:
+        if self.max_tokens is None and self.max_completion_tokens is not None:
+            self.max_tokens = self.max_completion_tokens
+        return self
+
+
+class CompletionRequest(Sampling):
+    model: str
+    prompt: str | list[int] = Field(description="Text, or token ids.")
+    echo: bool = False
+
+
+class NativeSampling(_Body):
+    max_new_tokens: int | None = Field(None, gt=0)
+    temperature: float | None = Field(None, ge=0.0, le=MAX_TEMPERATURE)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=-1)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    seed: int | None = None
+
+
+class GenerateRequest(_Body):
+    """SGLang's native /generate: text or input_ids, sampling_params, stream."""
+
+    text: str | None = None
+    input_ids: list[int] | None = None
+    sampling_params: NativeSampling = Field(default_factory=NativeSampling)
+    stream: bool = False
+
+    @model_validator(mode="after")
+    def _one_input(self) -> GenerateRequest:
+        if (self.text is None) == (self.input_ids is None):
+            raise ValueError("give exactly one of `text` or `input_ids`")
+        return self

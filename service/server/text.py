@@ -1,0 +1,68 @@
+"""Text around token ids: chat templates and incremental detokenization with stop strings."""
+
+from __future__ import annotations
+
+from service.errors import InvalidRequest
+
+
+def render_chat(tokenizer, messages: list[dict]) -> list[int]:
+    """Prompt token ids of a chat, through the model's own chat template."""
+    if tokenizer is None:
+        raise InvalidRequest("this model has no tokenizer; send token ids to /generate")
+    try:
+        out = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    except Exception as exc:  # jinja errors for messages the template rejects
+        raise InvalidRequest(f"the model's chat template rejected the messages: {exc}", param="messages") from exc
+    ids = out["input_ids"] if hasattr(out, "keys") else out
+    return list(ids)
+
+
+def encode(tokenizer, text: str) -> list[int]:
+    if tokenizer is None:
+        raise InvalidRequest("this model has no tokenizer; send token ids")
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+class Detokenizer:
+    """Turns a growing list of token ids into text deltas, honouring stop strings.
+
+    Holds back an incomplete UTF-8 character and any tail that could begin a stop string,
+    so a client never sees a stop string or half a character."""
+
+    def __init__(self, tokenizer, stop: tuple[str, ...] = ()):
+        self.tokenizer = tokenizer
+        self.stop = stop
+        self.ids: list[int] = []
+        self.text = ""
+        self.emitted = 0
+        self.stopped = False
+
+    def push(self, ids: list[int]) -> str:
+        """Add new ids; return the text that is now safe to show."""
+        self.ids.extend(ids)
+        full = self.tokenizer.decode(self.ids, skip_special_tokens=True) if self.tokenizer else ""
+        safe = len(full)
+        for s in self.stop:
+            i = full.find(s, max(0, self.emitted - len(s)))
+            if i != -1 and (not self.stopped or i < safe):
+                safe, self.stopped = i, True
+        if self.stopped:
+            full = full[:safe]
+        else:
+            if full.endswith("\ufffd"):
+                safe -= 1
+            for s in self.stop:  # hold back a tail that may grow into a stop string
+                for k in range(min(len(s) - 1, safe), 0, -1):
+                    if full[:safe].endswith(s[:k]):
+                        safe -= k
+                        break
+        self.text = full
+        delta = full[self.emitted : safe]
+        self.emitted = max(self.emitted, safe)
+        return delta
+
+    def flush(self) -> str:
+        """The rest of the text once generation has finished."""
+        delta = self.text[self.emitted :]
+        self.emitted = len(self.text)
+        return delta

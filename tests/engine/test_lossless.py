@@ -1,0 +1,173 @@
+"""Lossless speculation: DDTree output == plain greedy decoding, and sampled output follows
+the target distribution exactly (checked against enumeration, with a wrong verifier that the
+same test must catch)."""
+
+import numpy as np
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from service.config import LiveParams
+from service.engine.ddtree import DDTreeEngine
+from service.engine.drafters import ModelDrafter, NGramDrafter, NoDrafter
+from service.engine.sampling import SamplingParams
+from service.engine.weights import load_model, random_llama, tiny_config
+
+PROMPTS = [[1, 5, 6, 7, 8, 5, 6, 7], [1, 300, 301, 302, 303, 304, 300, 301, 302], [1, 42]]
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return random_llama(tiny_config(vocab_size=512), seed=3)
+
+
+def ar_greedy(model, prompt, n):
+    eng = DDTreeEngine(model, NoDrafter(), 1, ())
+    return eng.generate(prompt, SamplingParams(max_tokens=n), LiveParams(budget=0)).output
+
+
+def drafters(model):
+    return {
+        "ngram": NGramDrafter(model.cfg.vocab_size),
+        "draft-model-self": ModelDrafter(model),
+        "draft-model-other": ModelDrafter(random_llama(tiny_config(vocab_size=512), seed=4)),
+        "layer-skip": ModelDrafter(model, num_layers=1, name="layer-skip"),
+    }
+
+
+@pytest.mark.parametrize("budget,topk,window", [(0, 4, 2048), (1, 1, 2048), (8, 1, 2048), (8, 4, 2048), (16, 4, 4), (32, 8, 64)])
+def test_greedy_equals_autoregressive_tiny(tiny, budget, topk, window):
+    taus = {}
+    for prompt in PROMPTS:
+        ref = ar_greedy(tiny, prompt, 40)
+        for name, drafter in drafters(tiny).items():
+            eng = DDTreeEngine(tiny, drafter, 6, ())
+            seq = eng.generate(prompt, SamplingParams(max_tokens=40), LiveParams(budget=budget, topk=topk, window=window))
+            assert seq.output == ref, (name, prompt)
+            taus[name] = max(taus.get(name, 0), seq.stats.tau)
+    if budget >= 8 and window >= 64:
+        # the target drafting for itself must be accepted almost always: speculation is real
+        assert taus["draft-model-self"] > 3.0
+
+
+def test_eos_and_max_tokens_are_exact(tiny):
+    ref = ar_greedy(tiny, PROMPTS[0], 30)
+    eos = ref[10]
+    eng = DDTreeEngine(tiny, ModelDrafter(tiny), 6, (eos,))
+    seq = eng.generate(PROMPTS[0], SamplingParams(max_tokens=30), LiveParams(budget=16, topk=2))
+    assert seq.output == ref[: ref.index(eos) + 1] and seq.finish_reason == "stop"
+    seq = eng.generate(PROMPTS[0], SamplingParams(max_tokens=7, ignore_eos=True), LiveParams(budget=16, topk=2))
+    assert seq.output == ref[:7] and seq.finish_reason == "length"
+
+
+@pytest.mark.slow
+def test_greedy_equals_autoregressive_smollm2():
+    lm = load_model("smollm2-135m")
+    m, tok = lm.model, lm.tokenizer
+    prompts = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True)["input_ids"]
+               for q in ("Write a Python function that reverses a list.", "List three colours, then list them again.")]
+    for prompt in prompts:
+        ref = ar_greedy(m, prompt, 48)
+        for drafter, budget, topk, window in [(NGramDrafter(m.cfg.vocab_size), 8, 4, 2048), (NGramDrafter(m.cfg.vocab_size), 16, 1, 32), (ModelDrafter(m, 10), 6, 2, 2048)]:
+            seq = DDTreeEngine(m, drafter, 8, m.cfg.eos_token_ids).generate(prompt, SamplingParams(max_tokens=48), LiveParams(budget=budget, topk=topk, window=window))
+            assert seq.output == ref[: len(seq.output)] and (len(seq.output) == len(ref) or seq.finish_reason == "stop")
+
+
+# -- sampling ---------------------------------------------------------------------------
+V = 6
+
+
+def reference_probs(logits: np.ndarray, t: float, top_p: float, top_k: int) -> np.ndarray:
+    """Independent numpy version of the target's sampling distribution for one position."""
+    z = logits.astype(np.float64) / t
+    if top_k:
+        z = np.where(z >= np.sort(z)[-top_k], z, -np.inf)
+    p = np.exp(z - z.max())
+    p /= p.sum()
+    if top_p < 1.0:
+        order = np.argsort(-p)
+        keep = np.zeros_like(p, dtype=bool)
+        mass = 0.0
+        for i in order:
+            keep[i] = True
+            mass += p[i]
+            if mass >= top_p:
+                break
+        p = np.where(keep, p, 0.0)
+        p /= p.sum()
+    return p
+
+
+def exact_pairs(model, prompt, t, top_p, top_k) -> np.ndarray:
+    """P(first two tokens = (a, b)) by enumeration with plain forwards."""
+    def next_logits(ids):
+        cache = model.new_cache()
+        return model(torch.tensor(ids), torch.arange(len(ids)), cache)[-1].double().numpy()
+
+    p1 = reference_probs(next_logits(prompt), t, top_p, top_k)
+    out = np.zeros((V, V))
+    for a in range(V):
+        if p1[a] > 0:
+            out[a] = p1[a] * reference_probs(next_logits(prompt + [a]), t, top_p, top_k)
+    return out.flatten()
+
+
+class WrongVerifier(DDTreeEngine):
+    """Accepts the first child whenever the target's sample merely has the same rank-0
+    draft in its top-3 — a plausible-looking but biased rule the test must reject."""
+
+    def accept(self, tree, targets):
+        path, node = [], 0
+        while tree.first_child[node] != -1 and (targets[node] == tree.tokens[tree.first_child[node]] or targets[node] % 2 == 0):
+            node = tree.first_child[node]
+            path.append(node)
+        return path, targets[node]
+
+
+def sample_pairs(engine_cls, target, draft, t, top_p, top_k, n):
+    eng = engine_cls(target, ModelDrafter(draft), 3, ())
+    params = LiveParams(budget=6, topk=3)
+    counts = np.zeros(V * V)
+    rounds = 0
+    for seed in range(n):
+        seq = eng.generate([1, 2, 3], SamplingParams(temperature=t, top_p=top_p, top_k=top_k, max_tokens=2, ignore_eos=True, seed=seed), params)
+        counts[seq.output[0] * V + seq.output[1]] += 1
+        rounds += seq.stats.verify_rounds
+    return counts, rounds / n
+
+
+def chi2_pvalue(counts, probs):
+    mask = probs > 0
+    assert counts[~mask].sum() == 0, "sampled a pair the target gives probability 0"
+    exp = probs[mask] * counts.sum()
+    # merge tiny cells so the chi-square approximation holds
+    small = exp < 5
+    obs = np.append(counts[mask][~small], counts[mask][small].sum())
+    exp = np.append(exp[~small], exp[small].sum())
+    if exp[-1] == 0:
+        obs, exp = obs[:-1], exp[:-1]
+    return chisquare(obs, exp).pvalue
+
+
+@pytest.fixture(scope="module")
+def toy():
+    cfg = tiny_config(vocab_size=V)
+    return random_llama(cfg, seed=11), random_llama(cfg, seed=12)
+
+
+@pytest.mark.parametrize("t,top_p,top_k", [(0.7, 1.0, 0), (1.0, 1.0, 4), (1.5, 0.9, 0)])
+def test_sampling_follows_target_distribution(toy, t, top_p, top_k):
+    target, draft = toy
+    probs = exact_pairs(target, [1, 2, 3], t, top_p, top_k)
+    counts, rounds = sample_pairs(DDTreeEngine, target, draft, t, top_p, top_k, 2500)
+    assert rounds < 1.9, "drafts were never accepted: the test would prove nothing"
+    assert chi2_pvalue(counts, probs) > 1e-3
+    tv = 0.5 * np.abs(counts / counts.sum() - probs).sum()
+    assert tv < 0.05
+
+
+def test_wrong_verifier_is_caught(toy):
+    target, draft = toy
+    probs = exact_pairs(target, [1, 2, 3], 1.0, 1.0, 0)
+    counts, _ = sample_pairs(WrongVerifier, target, draft, 1.0, 1.0, 0, 2500)
+    assert chi2_pvalue(counts, probs) < 1e-6
