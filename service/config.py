@@ -29,10 +29,24 @@ class _Frozen(BaseModel):
 class LiveParams(_Frozen):
     """Parameters that can change between decoding rounds (the reconfig controller's fields)."""
 
-    budget: int = Field(8, ge=0, le=MAX_BUDGET, description="Draft tree size: non-root nodes verified per round; 0 = plain autoregressive decoding.")
-    topk: int = Field(4, ge=1, le=MAX_TOPK, description="Candidates per depth the tree may branch into; 1 = a chain.")
-    window: int = Field(2048, ge=1, le=1 << 20, description="Most recent tokens the drafter attends to.")
-    temperature: float = Field(0.0, ge=0.0, le=MAX_TEMPERATURE, description="Default sampling temperature; 0 = greedy.")
+    budget: int = Field(
+        8,
+        ge=0,
+        le=MAX_BUDGET,
+        description="Draft tree size: non-root nodes verified per round; 0 = plain autoregressive decoding.",
+    )
+    topk: int = Field(
+        4,
+        ge=1,
+        le=MAX_TOPK,
+        description="Candidates per depth the tree may branch into; 1 = a chain.",
+    )
+    window: int = Field(
+        2048, ge=1, le=1 << 20, description="Most recent tokens the drafter attends to."
+    )
+    temperature: float = Field(
+        0.0, ge=0.0, le=MAX_TEMPERATURE, description="Default sampling temperature; 0 = greedy."
+    )
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Default nucleus mass in (0, 1].")
     top_k: int = Field(0, ge=0, description="Default top-k sampling filter; 0 = off.")
 
@@ -48,34 +62,55 @@ class DrafterConfig(_Frozen):
     """Which drafter proposes the per-depth distributions the tree is built from."""
 
     kind: Literal["ngram", "draft-model", "layer-skip", "none"] = Field(
-        "ngram", description="ngram: prompt lookup (no weights); draft-model: a smaller LM with the target's tokenizer; layer-skip: the target's first `layers` layers; none: autoregressive."
+        "ngram",
+        description="ngram: prompt lookup (no weights); draft-model: a smaller LM with the target's tokenizer; layer-skip: the target's first `layers` layers; none: autoregressive.",
     )
-    depth: int = Field(8, ge=1, le=MAX_DEPTH, description="L: draft positions per round (tree depth limit).")
-    draft_model: str | None = Field(None, description="Model spec of the draft model (kind=draft-model).")
+    depth: int = Field(
+        8, ge=1, le=MAX_DEPTH, description="L: draft positions per round (tree depth limit)."
+    )
+    draft_model: str | None = Field(
+        None, description="Model spec of the draft model (kind=draft-model)."
+    )
     layers: int = Field(8, ge=1, description="Target layers the layer-skip drafter keeps.")
-    ngram_max: int = Field(4, ge=1, le=16, description="Longest context suffix the n-gram drafter matches.")
-    ngram_min: int = Field(1, ge=1, le=16, description="Shortest context suffix the n-gram drafter matches.")
+    ngram_max: int = Field(
+        4, ge=1, le=16, description="Longest context suffix the n-gram drafter matches."
+    )
+    ngram_min: int = Field(
+        1, ge=1, le=16, description="Shortest context suffix the n-gram drafter matches."
+    )
 
     @model_validator(mode="after")
     def _check(self) -> DrafterConfig:
         if self.kind == "draft-model" and not self.draft_model:
             raise ValueError("drafter.kind=draft-model needs drafter.draft_model (a model spec)")
         if self.ngram_min > self.ngram_max:
-            raise ValueError(f"ngram_min={self.ngram_min} > ngram_max={self.ngram_max}; make ngram_min <= ngram_max")
+            raise ValueError(
+                f"ngram_min={self.ngram_min} > ngram_max={self.ngram_max}; make ngram_min <= ngram_max"
+            )
         return self
 
 
 class EngineConfig(_Frozen):
     """Everything one engine process serves with."""
 
-    model: str = Field("smollm2-135m", description="Model spec: 'smollm2-135m' (bundled GGUF), 'tiny-random[:seed]', a .gguf file or a directory saved by ddserve.")
-    served_name: str | None = Field(None, description="Model id in the OpenAI API; defaults to `model`.")
+    model: str = Field(
+        "smollm2-135m",
+        description="Model spec: 'smollm2-135m' (bundled GGUF), 'tiny-random[:seed]', a .gguf file or a directory saved by ddserve.",
+    )
+    served_name: str | None = Field(
+        None, description="Model id in the OpenAI API; defaults to `model`."
+    )
     drafter: DrafterConfig = Field(default_factory=DrafterConfig)
     params: LiveParams = Field(default_factory=LiveParams)
-    max_context: int | None = Field(None, ge=2, description="Longest prompt + completion; defaults to the model's own limit.")
-    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto = cuda when available.")
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("auto", description="auto = float32 on CPU, bfloat16 on GPU.")
-    seed: int = Field(0, description="Seed of requests that give none (sampling stays reproducible per request).")
+    max_context: int | None = Field(
+        None, ge=2, description="Longest prompt + completion; defaults to the model's own limit."
+    )
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto", description="auto = cuda when available."
+    )
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="auto = float32 on CPU, bfloat16 on GPU."
+    )
 
     @property
     def model_id(self) -> str:

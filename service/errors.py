@@ -72,5 +72,11 @@ def openai_error_body(exc: BaseException) -> tuple[int, dict]:
         status, etype, msg = exc.status_code, exc.error_type, exc.message
         param, code = exc.param, exc.code
     else:
-        status, etype, msg, param, code = 500, "internal_error", f"internal error: {exc}", None, None
+        status, etype, msg, param, code = (
+            500,
+            "internal_error",
+            f"internal error: {exc}",
+            None,
+            None,
+        )
     return status, {"error": {"message": msg, "type": etype, "param": param, "code": code}}

@@ -14,6 +14,7 @@ same code. Parameters are read once per round, so a live change is atomic per ro
 
 from __future__ import annotations
 
+import secrets
 import time
 from dataclasses import dataclass, field
 
@@ -59,9 +60,11 @@ class DDTreeEngine:
         gen = None
         if not sampling.greedy:
             gen = torch.Generator(device=self.model.device)
-            gen.manual_seed(sampling.seed if sampling.seed is not None else torch.seed())
+            gen.manual_seed(sampling.seed if sampling.seed is not None else secrets.randbits(63))
         cache = self.model.new_cache(capacity=max(64, len(prompt) + 64))
-        seq = Sequence(list(prompt), sampling, cache, self.drafter.new_state(), gen, tokens=list(prompt))
+        seq = Sequence(
+            list(prompt), sampling, cache, self.drafter.new_state(), gen, tokens=list(prompt)
+        )
         seq.stats.prompt_tokens = len(prompt)
         return seq
 
@@ -71,7 +74,12 @@ class DDTreeEngine:
         head = seq.tokens[:-1]
         if head:
             dev = self.model.device
-            self.model(torch.tensor(head, device=dev), torch.arange(len(head), device=dev), seq.cache, last_only=True)
+            self.model(
+                torch.tensor(head, device=dev),
+                torch.arange(len(head), device=dev),
+                seq.cache,
+                last_only=True,
+            )
             seq.cache.commit(len(head))
         seq.stats.prefill_s += time.perf_counter() - t0
 

@@ -82,7 +82,7 @@ class NGramDrafter:
             if not votes[d]:
                 break
             # mass for "something unseen" keeps confidence honest for sparse evidence
-            denom = total[d] + 2.0 ** self.min_n
+            denom = total[d] + 2.0**self.min_n
             toks = torch.tensor(list(votes[d].keys()))
             out[d, toks] = torch.log(torch.tensor(list(votes[d].values())) / denom).float()
         return out

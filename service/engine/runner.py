@@ -54,7 +54,10 @@ class _Request:
         self.prefilled = False
 
     def deliver(self, item) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:  # the client's event loop is gone; nobody is waiting
+            self.cancelled = True
 
 
 def resolve_device(config: EngineConfig) -> tuple[str, torch.dtype]:
@@ -69,7 +72,9 @@ def resolve_device(config: EngineConfig) -> tuple[str, torch.dtype]:
     return device, getattr(torch, dtype)
 
 
-def build_drafter(config: EngineConfig, target: LoadedModel, device: str, dtype: torch.dtype) -> Drafter:
+def build_drafter(
+    config: EngineConfig, target: LoadedModel, device: str, dtype: torch.dtype
+) -> Drafter:
     d = config.drafter
     if d.kind == "none":
         return NoDrafter()
@@ -77,11 +82,17 @@ def build_drafter(config: EngineConfig, target: LoadedModel, device: str, dtype:
         return NGramDrafter(target.model.cfg.vocab_size, d.ngram_max, d.ngram_min)
     if d.kind == "layer-skip":
         if d.layers >= target.model.cfg.num_layers:
-            raise InvalidRequest(f"drafter.layers={d.layers}: must be below the target's {target.model.cfg.num_layers} layers", param="drafter.layers")
+            raise InvalidRequest(
+                f"drafter.layers={d.layers}: must be below the target's {target.model.cfg.num_layers} layers",
+                param="drafter.layers",
+            )
         return ModelDrafter(target.model, d.layers, name="layer-skip")
     draft = load_model(d.draft_model, device, dtype, with_tokenizer=False).model
     if draft.cfg.vocab_size != target.model.cfg.vocab_size:
-        raise InvalidRequest(f"drafter.draft_model={d.draft_model!r} has vocab {draft.cfg.vocab_size}, the target {target.model.cfg.vocab_size}: they must share a tokenizer", param="drafter.draft_model")
+        raise InvalidRequest(
+            f"drafter.draft_model={d.draft_model!r} has vocab {draft.cfg.vocab_size}, the target {target.model.cfg.vocab_size}: they must share a tokenizer",
+            param="drafter.draft_model",
+        )
     return ModelDrafter(draft)
 
 
@@ -111,15 +122,25 @@ class EngineRunner:
         model = loaded.model.to(device=device, dtype=dtype)
         self.tokenizer = loaded.tokenizer
         drafter = build_drafter(self.config, loaded, device, dtype)
-        self.engine = DDTreeEngine(model, drafter, self.config.drafter.depth, model.cfg.eos_token_ids)
+        self.engine = DDTreeEngine(
+            model, drafter, self.config.drafter.depth, model.cfg.eos_token_ids
+        )
         self.max_context = self.config.max_context or model.cfg.max_position
         self._fingerprint = self.config.fingerprint(self._dtype_name)
-        self.engine.generate([model.cfg.bos_token_id or 0], SamplingParams(max_tokens=2), self.config.params)
+        self.engine.generate(
+            [model.cfg.bos_token_id or 0], SamplingParams(max_tokens=2), self.config.params
+        )
         self._thread = threading.Thread(target=self._loop, name="ddtree-worker", daemon=True)
         self._thread.start()
         self.load_s = time.perf_counter() - t0
         self.started_at = time.time()
-        log.info("engine ready in %.1fs: model=%s drafter=%s fingerprint=%s", self.load_s, self.config.model, drafter.name, self._fingerprint)
+        log.info(
+            "engine ready in %.1fs: model=%s drafter=%s fingerprint=%s",
+            self.load_s,
+            self.config.model,
+            drafter.name,
+            self._fingerprint,
+        )
 
     def shutdown(self) -> None:
         with self._cv:
@@ -160,14 +181,22 @@ class EngineRunner:
             raise InvalidRequest("the prompt is empty", param="prompt")
         room = self.max_context - len(prompt)
         if room <= 0:
-            raise ContextLengthExceeded(f"the prompt has {len(prompt)} tokens; this model's maximum context length is {self.max_context} tokens", param="messages")
+            raise ContextLengthExceeded(
+                f"the prompt has {len(prompt)} tokens; this model's maximum context length is {self.max_context} tokens",
+                param="messages",
+            )
         if max_tokens is None:
             return room
         if max_tokens > room:
-            raise ContextLengthExceeded(f"max_tokens={max_tokens} plus the prompt's {len(prompt)} tokens exceeds the maximum context length of {self.max_context} tokens; ask for at most {room}", param="max_tokens")
+            raise ContextLengthExceeded(
+                f"max_tokens={max_tokens} plus the prompt's {len(prompt)} tokens exceeds the maximum context length of {self.max_context} tokens; ask for at most {room}",
+                param="max_tokens",
+            )
         return max_tokens
 
-    async def generate(self, prompt: list[int], sampling: SamplingParams) -> AsyncIterator[StepOutput]:
+    async def generate(
+        self, prompt: list[int], sampling: SamplingParams
+    ) -> AsyncIterator[StepOutput]:
         if not self.alive:
             raise EngineUnavailable("engine is not running")
         vocab = self.engine.model.cfg.vocab_size
@@ -202,7 +231,9 @@ class EngineRunner:
         try:
             n = await asyncio.wait_for(one(), timeout)
         except TimeoutError as exc:
-            raise EngineUnavailable(f"health generation did not finish within {timeout:.0f}s") from exc
+            raise EngineUnavailable(
+                f"health generation did not finish within {timeout:.0f}s"
+            ) from exc
         if n < 1:
             raise EngineError("health generation returned no token")
         return time.perf_counter() - t0

@@ -25,7 +25,9 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
-def filtered_probs(logits: torch.Tensor, temperature: float, top_p: float, top_k: int) -> torch.Tensor:
+def filtered_probs(
+    logits: torch.Tensor, temperature: float, top_p: float, top_k: int
+) -> torch.Tensor:
     """The distribution sampled from: softmax(logits / T), then top-k, then top-p. [N, V]."""
     # logits: [N, V]
     logits = logits.float() / temperature
@@ -43,7 +45,9 @@ def filtered_probs(logits: torch.Tensor, temperature: float, top_p: float, top_k
     return probs
 
 
-def target_tokens(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
+def target_tokens(
+    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None
+) -> torch.Tensor:
     """The target's token at every node: argmax at T=0, else an independent sample. [N]."""
     # logits: [N, V]
     if params.greedy:

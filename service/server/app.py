@@ -24,7 +24,14 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from service.engine.runner import EngineRunner
-from service.errors import DDServeError, EngineUnavailable, InvalidRequest, ModelNotFound, Unauthorized, openai_error_body
+from service.errors import (
+    DDServeError,
+    EngineUnavailable,
+    InvalidRequest,
+    ModelNotFound,
+    Unauthorized,
+    openai_error_body,
+)
 from service.server import openai_format as fmt
 from service.server.generation import complete, resolve_sampling, stream_deltas
 from service.server.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
@@ -68,7 +75,9 @@ def create_app(runner: EngineRunner, *, admin_token: str | None = None) -> FastA
 
     def check_model(name: str) -> None:
         if name != model_id:
-            raise ModelNotFound(f"model {name!r} is not served here; this server serves {model_id!r}", param="model")
+            raise ModelNotFound(
+                f"model {name!r} is not served here; this server serves {model_id!r}", param="model"
+            )
 
     def record(stats) -> None:
         totals["requests"] += 1
@@ -94,18 +103,44 @@ def create_app(runner: EngineRunner, *, admin_token: str | None = None) -> FastA
 
     async def sse_response(stream: AsyncIterator[str]) -> StreamingResponse:
         body = await first_then_rest(stream)
-        return StreamingResponse(body, media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return StreamingResponse(
+            body,
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
 
     # -- OpenAI API -------------------------------------------------------------------
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": model_id, "object": "model", "created": int(runner.started_at), "owned_by": "ddserve"}]}
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": model_id,
+                    "object": "model",
+                    "created": int(runner.started_at),
+                    "owned_by": "ddserve",
+                }
+            ],
+        }
 
     @app.post("/v1/chat/completions")
     async def chat(req: ChatCompletionRequest):
         check_model(req.model)
-        prompt = render_chat(runner.tokenizer, [{"role": m.role, "content": m.text} for m in req.messages])
-        sp = resolve_sampling(runner, prompt, max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, stop=req.stop_list, ignore_eos=req.ignore_eos, seed=req.seed)
+        prompt = render_chat(
+            runner.tokenizer, [{"role": m.role, "content": m.text} for m in req.messages]
+        )
+        sp = resolve_sampling(
+            runner,
+            prompt,
+            max_tokens=req.max_tokens,
+            temperature=req.temperature,
+            top_p=req.top_p,
+            top_k=req.top_k,
+            stop=req.stop_list,
+            ignore_eos=req.ignore_eos,
+            seed=req.seed,
+        )
         rid = fmt.new_id("chatcmpl")
         if not req.stream:
             c = await complete(runner, prompt, sp)
@@ -117,17 +152,35 @@ def create_app(runner: EngineRunner, *, admin_token: str | None = None) -> FastA
             created, sent_role = int(time.time()), False
             async for d in stream_deltas(runner, prompt, sp):
                 if not sent_role:
-                    yield fmt.sse(fmt.chat_chunk(rid, model_id, created, d.fingerprint, {"role": "assistant", "content": ""}))
+                    yield fmt.sse(
+                        fmt.chat_chunk(
+                            rid,
+                            model_id,
+                            created,
+                            d.fingerprint,
+                            {"role": "assistant", "content": ""},
+                        )
+                    )
                     sent_role = True
                 if d.text:
-                    yield fmt.sse(fmt.chat_chunk(rid, model_id, created, d.fingerprint, {"content": d.text}))
+                    yield fmt.sse(
+                        fmt.chat_chunk(rid, model_id, created, d.fingerprint, {"content": d.text})
+                    )
                 if d.finish_reason is not None:
                     record(d.stats)
-                    last = fmt.chat_chunk(rid, model_id, created, d.fingerprint, {}, d.finish_reason)
+                    last = fmt.chat_chunk(
+                        rid, model_id, created, d.fingerprint, {}, d.finish_reason
+                    )
                     last["ddtree"] = fmt.ddtree_ext(d.stats)
                     yield fmt.sse(last)
                     if include_usage:
-                        yield fmt.sse({**fmt.chat_chunk(rid, model_id, created, d.fingerprint, {}), "choices": [], "usage": fmt.usage(d.stats)})
+                        yield fmt.sse(
+                            {
+                                **fmt.chat_chunk(rid, model_id, created, d.fingerprint, {}),
+                                "choices": [],
+                                "usage": fmt.usage(d.stats),
+                            }
+                        )
             yield fmt.sse("[DONE]")
 
         return await sse_response(chunks())
@@ -135,23 +188,44 @@ def create_app(runner: EngineRunner, *, admin_token: str | None = None) -> FastA
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest):
         check_model(req.model)
-        prompt = list(req.prompt) if isinstance(req.prompt, list) else encode(runner.tokenizer, req.prompt)
-        sp = resolve_sampling(runner, prompt, max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, stop=req.stop_list, ignore_eos=req.ignore_eos, seed=req.seed)
+        prompt = (
+            list(req.prompt)
+            if isinstance(req.prompt, list)
+            else encode(runner.tokenizer, req.prompt)
+        )
+        sp = resolve_sampling(
+            runner,
+            prompt,
+            max_tokens=req.max_tokens,
+            temperature=req.temperature,
+            top_p=req.top_p,
+            top_k=req.top_k,
+            stop=req.stop_list,
+            ignore_eos=req.ignore_eos,
+            seed=req.seed,
+        )
         rid = fmt.new_id("cmpl")
         prefix = req.prompt if (req.echo and isinstance(req.prompt, str)) else ""
         if not req.stream:
             c = await complete(runner, prompt, sp)
             record(c.stats)
-            return fmt.completion_response(rid, model_id, prefix + c.text, c.finish_reason, c.fingerprint, c.stats)
+            return fmt.completion_response(
+                rid, model_id, prefix + c.text, c.finish_reason, c.fingerprint, c.stats
+            )
 
         async def chunks():
             created = int(time.time())
             async for d in stream_deltas(runner, prompt, sp):
                 if d.text or d.finish_reason is not None:
-                    chunk = fmt.completion_chunk(rid, model_id, created, d.fingerprint, d.text, d.finish_reason)
+                    chunk = fmt.completion_chunk(
+                        rid, model_id, created, d.fingerprint, d.text, d.finish_reason
+                    )
                     if d.finish_reason is not None:
                         record(d.stats)
-                        chunk["usage"], chunk["ddtree"] = fmt.usage(d.stats), fmt.ddtree_ext(d.stats)
+                        chunk["usage"], chunk["ddtree"] = (
+                            fmt.usage(d.stats),
+                            fmt.ddtree_ext(d.stats),
+                        )
                     yield fmt.sse(chunk)
             yield fmt.sse("[DONE]")
 
@@ -163,22 +237,40 @@ def create_app(runner: EngineRunner, *, admin_token: str | None = None) -> FastA
         p = req.sampling_params
         prompt = req.input_ids if req.input_ids is not None else encode(runner.tokenizer, req.text)
         stops = (p.stop,) if isinstance(p.stop, str) else tuple(p.stop or ())
-        sp = resolve_sampling(runner, prompt, max_tokens=p.max_new_tokens, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, stop=stops, stop_token_ids=p.stop_token_ids, ignore_eos=p.ignore_eos, seed=p.seed)
+        sp = resolve_sampling(
+            runner,
+            prompt,
+            max_tokens=p.max_new_tokens,
+            temperature=p.temperature,
+            top_p=p.top_p,
+            top_k=p.top_k,
+            stop=stops,
+            stop_token_ids=p.stop_token_ids,
+            ignore_eos=p.ignore_eos,
+            seed=p.seed,
+        )
         t0 = time.perf_counter()
 
         def meta(stats, finish, fp) -> dict:
             return {
-                "prompt_tokens": len(prompt), "completion_tokens": stats.completion_tokens if stats else 0,
+                "prompt_tokens": len(prompt),
+                "completion_tokens": stats.completion_tokens if stats else 0,
                 "finish_reason": {"type": finish} if finish else None,
                 "spec_verify_ct": stats.verify_rounds if stats else 0,
                 "spec_accept_length": round(stats.tau, 4) if stats else 0.0,
-                "e2e_latency": round(time.perf_counter() - t0, 4), "system_fingerprint": fp,
+                "e2e_latency": round(time.perf_counter() - t0, 4),
+                "system_fingerprint": fp,
             }
 
         if not req.stream:
             c = await complete(runner, prompt, sp)
             record(c.stats)
-            return {"text": c.text, "output_ids": c.token_ids, "meta_info": meta(c.stats, c.finish_reason, c.fingerprint), "system_fingerprint": c.fingerprint}
+            return {
+                "text": c.text,
+                "output_ids": c.token_ids,
+                "meta_info": meta(c.stats, c.finish_reason, c.fingerprint),
+                "system_fingerprint": c.fingerprint,
+            }
 
         async def chunks():
             text, ids = "", []
@@ -186,7 +278,14 @@ def create_app(runner: EngineRunner, *, admin_token: str | None = None) -> FastA
                 text, ids = text + d.text, ids + d.token_ids
                 if d.finish_reason is not None:
                     record(d.stats)
-                yield fmt.sse({"text": text, "output_ids": ids, "meta_info": meta(d.stats, d.finish_reason, d.fingerprint), "system_fingerprint": d.fingerprint})
+                yield fmt.sse(
+                    {
+                        "text": text,
+                        "output_ids": ids,
+                        "meta_info": meta(d.stats, d.finish_reason, d.fingerprint),
+                        "system_fingerprint": d.fingerprint,
+                    }
+                )
             yield fmt.sse("[DONE]")
 
         return await sse_response(chunks())
@@ -198,29 +297,48 @@ def create_app(runner: EngineRunner, *, admin_token: str | None = None) -> FastA
         try:
             latency = await runner.check_health()
         except DDServeError as exc:
-            return _error_response(exc if exc.status_code >= 500 else EngineUnavailable(exc.message))
-        return {"status": "ok", "system_fingerprint": runner.fingerprint, "latency_ms": round(latency * 1e3, 2)}
+            return _error_response(
+                exc if exc.status_code >= 500 else EngineUnavailable(exc.message)
+            )
+        return {
+            "status": "ok",
+            "system_fingerprint": runner.fingerprint,
+            "latency_ms": round(latency * 1e3, 2),
+        }
 
     @app.get("/server_info")
     async def server_info():
         cfg = runner.config
         return {
-            "model": model_id, "config": cfg.model_dump(), "system_fingerprint": runner.fingerprint,
-            "max_context": runner.max_context, "load": runner.load, "totals": dict(totals),
-            "uptime_s": round(time.time() - runner.started_at, 1), "load_s": round(runner.load_s, 2),
-            "engine": "builtin", "admin_protected": admin_token is not None,
+            "model": model_id,
+            "config": cfg.model_dump(),
+            "system_fingerprint": runner.fingerprint,
+            "max_context": runner.max_context,
+            "load": runner.load,
+            "totals": dict(totals),
+            "uptime_s": round(time.time() - runner.started_at, 1),
+            "load_s": round(runner.load_s, 2),
+            "engine": "builtin",
+            "admin_protected": admin_token is not None,
         }
 
     @app.post("/admin/params")
     async def admin_params(request: Request):
-        if admin_token is not None and request.headers.get("authorization") != f"Bearer {admin_token}":
-            raise Unauthorized("changing live parameters needs the admin token (Authorization: Bearer ...)")
+        if (
+            admin_token is not None
+            and request.headers.get("authorization") != f"Bearer {admin_token}"
+        ):
+            raise Unauthorized(
+                "changing live parameters needs the admin token (Authorization: Bearer ...)"
+            )
         try:
             changes = json.loads(await request.body() or b"{}")
         except ValueError as exc:
             raise InvalidRequest("the request body is not valid JSON") from exc
         if not isinstance(changes, dict) or not changes:
-            raise InvalidRequest("send a JSON object of live parameters to change, e.g. {\"budget\": 16}")
+            raise InvalidRequest(
+                'send a JSON object of live parameters to change, e.g. {"budget": 16}'
+            )
         try:
             new = runner.update_params(**changes)
         except DDServeError as exc:

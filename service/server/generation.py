@@ -32,7 +32,19 @@ class Completion:
     latency_s: float = 0.0
 
 
-def resolve_sampling(runner: EngineRunner, prompt: list[int], *, max_tokens, temperature, top_p, top_k, stop=(), stop_token_ids=(), ignore_eos=False, seed=None) -> SamplingParams:
+def resolve_sampling(
+    runner: EngineRunner,
+    prompt: list[int],
+    *,
+    max_tokens,
+    temperature,
+    top_p,
+    top_k,
+    stop=(),
+    stop_token_ids=(),
+    ignore_eos=False,
+    seed=None,
+) -> SamplingParams:
     """Per-request values over the engine's live defaults; validates the lengths."""
     live = runner.config.params
     return SamplingParams(
@@ -43,11 +55,13 @@ def resolve_sampling(runner: EngineRunner, prompt: list[int], *, max_tokens, tem
         stop=tuple(stop),
         stop_token_ids=tuple(stop_token_ids or ()),
         ignore_eos=ignore_eos,
-        seed=runner.config.seed if seed is None and temperature != 0 else seed,
+        seed=seed,  # None: a fresh random seed per request
     )
 
 
-async def stream_deltas(runner: EngineRunner, prompt: list[int], sampling: SamplingParams) -> AsyncIterator[Delta]:
+async def stream_deltas(
+    runner: EngineRunner, prompt: list[int], sampling: SamplingParams
+) -> AsyncIterator[Delta]:
     detok = Detokenizer(runner.tokenizer, sampling.stop)
     async for out in runner.generate(prompt, sampling):
         text = detok.push(out.token_ids)
@@ -55,7 +69,9 @@ async def stream_deltas(runner: EngineRunner, prompt: list[int], sampling: Sampl
             yield Delta(text, out.token_ids, out.fingerprint, "stop", out.stats)
             return
         if out.finished:
-            yield Delta(text + detok.flush(), out.token_ids, out.fingerprint, out.finish_reason, out.stats)
+            yield Delta(
+                text + detok.flush(), out.token_ids, out.fingerprint, out.finish_reason, out.stats
+            )
             return
         yield Delta(text, out.token_ids, out.fingerprint)
 

@@ -32,35 +32,64 @@ def ddtree_ext(stats: RequestStats | None) -> dict:
     }
 
 
-def chat_response(rid: str, model: str, text: str, finish: str | None, fp: str, stats: RequestStats | None) -> dict:
+def chat_response(
+    rid: str, model: str, text: str, finish: str | None, fp: str, stats: RequestStats | None
+) -> dict:
     return {
-        "id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
+        "id": rid,
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model,
         "system_fingerprint": fp,
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None, "finish_reason": finish}],
-        "usage": usage(stats), "ddtree": ddtree_ext(stats),
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "logprobs": None,
+                "finish_reason": finish,
+            }
+        ],
+        "usage": usage(stats),
+        "ddtree": ddtree_ext(stats),
     }
 
 
-def completion_response(rid: str, model: str, text: str, finish: str | None, fp: str, stats: RequestStats | None) -> dict:
+def completion_response(
+    rid: str, model: str, text: str, finish: str | None, fp: str, stats: RequestStats | None
+) -> dict:
     return {
-        "id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
+        "id": rid,
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": model,
         "system_fingerprint": fp,
         "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}],
-        "usage": usage(stats), "ddtree": ddtree_ext(stats),
+        "usage": usage(stats),
+        "ddtree": ddtree_ext(stats),
     }
 
 
-def chat_chunk(rid: str, model: str, created: int, fp: str, delta: dict, finish: str | None = None) -> dict:
+def chat_chunk(
+    rid: str, model: str, created: int, fp: str, delta: dict, finish: str | None = None
+) -> dict:
     return {
-        "id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+        "id": rid,
+        "object": "chat.completion.chunk",
+        "created": created,
+        "model": model,
         "system_fingerprint": fp,
         "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}],
     }
 
 
-def completion_chunk(rid: str, model: str, created: int, fp: str, text: str, finish: str | None = None) -> dict:
+def completion_chunk(
+    rid: str, model: str, created: int, fp: str, text: str, finish: str | None = None
+) -> dict:
     return {
-        "id": rid, "object": "text_completion", "created": created, "model": model,
+        "id": rid,
+        "object": "text_completion",
+        "created": created,
+        "model": model,
         "system_fingerprint": fp,
         "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}],
     }

@@ -17,7 +17,9 @@ class _Body(BaseModel):
 class Sampling(_Body):
     """Sampling fields shared by chat and completions; None = the engine's live default."""
 
-    max_tokens: int | None = Field(None, gt=0, description="Completion tokens at most; default: the rest of the context.")
+    max_tokens: int | None = Field(
+        None, gt=0, description="Completion tokens at most; default: the rest of the context."
+    )
     temperature: float | None = Field(None, ge=0.0, le=MAX_TEMPERATURE)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     top_k: int | None = Field(None, ge=0, description="Extension: top-k filter; 0 = off.")

@@ -12,7 +12,9 @@ def render_chat(tokenizer, messages: list[dict]) -> list[int]:
     try:
         out = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
     except Exception as exc:  # jinja errors for messages the template rejects
-        raise InvalidRequest(f"the model's chat template rejected the messages: {exc}", param="messages") from exc
+        raise InvalidRequest(
+            f"the model's chat template rejected the messages: {exc}", param="messages"
+        ) from exc
     ids = out["input_ids"] if hasattr(out, "keys") else out
     return list(ids)
 

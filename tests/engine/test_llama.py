@@ -12,9 +12,20 @@ from service.engine.weights import config_from_hf, from_hf_state_dict, load_mode
 
 def hf_tiny(seed=0, vocab=97):
     torch.manual_seed(seed)
-    cfg = HFConfig(vocab_size=vocab, hidden_size=48, intermediate_size=96, num_hidden_layers=3, num_attention_heads=6,
-                   num_key_value_heads=2, head_dim=8, max_position_embeddings=256, rope_theta=10000.0,
-                   tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
+    cfg = HFConfig(
+        vocab_size=vocab,
+        hidden_size=48,
+        intermediate_size=96,
+        num_hidden_layers=3,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=256,
+        rope_theta=10000.0,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
     return LlamaForCausalLM(cfg).eval()
 
 
@@ -84,15 +95,30 @@ def test_smollm2_matches_transformers_forward():
     """The bundled model through our forward vs transformers' with the same weights."""
     lm = load_model("smollm2-135m")
     cfg = lm.model.cfg
-    hf = LlamaForCausalLM(HFConfig(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
-                                   num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
-                                   head_dim=cfg.head_dim, rope_theta=cfg.rope_theta, rms_norm_eps=cfg.rms_eps, tie_word_embeddings=True,
-                                   max_position_embeddings=cfg.max_position)).eval()
+    hf = LlamaForCausalLM(
+        HFConfig(
+            vocab_size=cfg.vocab_size,
+            hidden_size=cfg.hidden_size,
+            intermediate_size=cfg.intermediate_size,
+            num_hidden_layers=cfg.num_layers,
+            num_attention_heads=cfg.num_heads,
+            num_key_value_heads=cfg.num_kv_heads,
+            head_dim=cfg.head_dim,
+            rope_theta=cfg.rope_theta,
+            rms_norm_eps=cfg.rms_eps,
+            tie_word_embeddings=True,
+            max_position_embeddings=cfg.max_position,
+        )
+    ).eval()
     state = {}
     for k, v in lm.model.state_dict().items():
         if k.startswith("layers."):
             _, i, name = k.split(".", 2)
-            sub = "self_attn." if name.split(".")[0] in ("q_proj", "k_proj", "v_proj", "o_proj") else ("mlp." if "proj" in name else "")
+            sub = (
+                "self_attn."
+                if name.split(".")[0] in ("q_proj", "k_proj", "v_proj", "o_proj")
+                else ("mlp." if "proj" in name else "")
+            )
             state[f"model.layers.{i}.{sub}{name}"] = v
         elif k != "lm_head.weight":
             state[f"model.{k}"] = v

@@ -35,14 +35,21 @@ def drafters(model):
     }
 
 
-@pytest.mark.parametrize("budget,topk,window", [(0, 4, 2048), (1, 1, 2048), (8, 1, 2048), (8, 4, 2048), (16, 4, 4), (32, 8, 64)])
+@pytest.mark.parametrize(
+    "budget,topk,window",
+    [(0, 4, 2048), (1, 1, 2048), (8, 1, 2048), (8, 4, 2048), (16, 4, 4), (32, 8, 64)],
+)
 def test_greedy_equals_autoregressive_tiny(tiny, budget, topk, window):
     taus = {}
     for prompt in PROMPTS:
         ref = ar_greedy(tiny, prompt, 40)
         for name, drafter in drafters(tiny).items():
             eng = DDTreeEngine(tiny, drafter, 6, ())
-            seq = eng.generate(prompt, SamplingParams(max_tokens=40), LiveParams(budget=budget, topk=topk, window=window))
+            seq = eng.generate(
+                prompt,
+                SamplingParams(max_tokens=40),
+                LiveParams(budget=budget, topk=topk, window=window),
+            )
             assert seq.output == ref, (name, prompt)
             taus[name] = max(taus.get(name, 0), seq.stats.tau)
     if budget >= 8 and window >= 64:
@@ -56,7 +63,9 @@ def test_eos_and_max_tokens_are_exact(tiny):
     eng = DDTreeEngine(tiny, ModelDrafter(tiny), 6, (eos,))
     seq = eng.generate(PROMPTS[0], SamplingParams(max_tokens=30), LiveParams(budget=16, topk=2))
     assert seq.output == ref[: ref.index(eos) + 1] and seq.finish_reason == "stop"
-    seq = eng.generate(PROMPTS[0], SamplingParams(max_tokens=7, ignore_eos=True), LiveParams(budget=16, topk=2))
+    seq = eng.generate(
+        PROMPTS[0], SamplingParams(max_tokens=7, ignore_eos=True), LiveParams(budget=16, topk=2)
+    )
     assert seq.output == ref[:7] and seq.finish_reason == "length"
 
 
@@ -64,13 +73,30 @@ def test_eos_and_max_tokens_are_exact(tiny):
 def test_greedy_equals_autoregressive_smollm2():
     lm = load_model("smollm2-135m")
     m, tok = lm.model, lm.tokenizer
-    prompts = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True)["input_ids"]
-               for q in ("Write a Python function that reverses a list.", "List three colours, then list them again.")]
+    prompts = [
+        tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True)[
+            "input_ids"
+        ]
+        for q in (
+            "Write a Python function that reverses a list.",
+            "List three colours, then list them again.",
+        )
+    ]
     for prompt in prompts:
         ref = ar_greedy(m, prompt, 48)
-        for drafter, budget, topk, window in [(NGramDrafter(m.cfg.vocab_size), 8, 4, 2048), (NGramDrafter(m.cfg.vocab_size), 16, 1, 32), (ModelDrafter(m, 10), 6, 2, 2048)]:
-            seq = DDTreeEngine(m, drafter, 8, m.cfg.eos_token_ids).generate(prompt, SamplingParams(max_tokens=48), LiveParams(budget=budget, topk=topk, window=window))
-            assert seq.output == ref[: len(seq.output)] and (len(seq.output) == len(ref) or seq.finish_reason == "stop")
+        for drafter, budget, topk, window in [
+            (NGramDrafter(m.cfg.vocab_size), 8, 4, 2048),
+            (NGramDrafter(m.cfg.vocab_size), 16, 1, 32),
+            (ModelDrafter(m, 10), 6, 2, 2048),
+        ]:
+            seq = DDTreeEngine(m, drafter, 8, m.cfg.eos_token_ids).generate(
+                prompt,
+                SamplingParams(max_tokens=48),
+                LiveParams(budget=budget, topk=topk, window=window),
+            )
+            assert seq.output == ref[: len(seq.output)] and (
+                len(seq.output) == len(ref) or seq.finish_reason == "stop"
+            )
 
 
 # -- sampling ---------------------------------------------------------------------------
@@ -100,6 +126,7 @@ def reference_probs(logits: np.ndarray, t: float, top_p: float, top_k: int) -> n
 
 def exact_pairs(model, prompt, t, top_p, top_k) -> np.ndarray:
     """P(first two tokens = (a, b)) by enumeration with plain forwards."""
+
     def next_logits(ids):
         cache = model.new_cache()
         return model(torch.tensor(ids), torch.arange(len(ids)), cache)[-1].double().numpy()
@@ -118,7 +145,9 @@ class WrongVerifier(DDTreeEngine):
 
     def accept(self, tree, targets):
         path, node = [], 0
-        while tree.first_child[node] != -1 and (targets[node] == tree.tokens[tree.first_child[node]] or targets[node] % 2 == 0):
+        while tree.first_child[node] != -1 and (
+            targets[node] == tree.tokens[tree.first_child[node]] or targets[node] % 2 == 0
+        ):
             node = tree.first_child[node]
             path.append(node)
         return path, targets[node]
@@ -130,7 +159,13 @@ def sample_pairs(engine_cls, target, draft, t, top_p, top_k, n):
     counts = np.zeros(V * V)
     rounds = 0
     for seed in range(n):
-        seq = eng.generate([1, 2, 3], SamplingParams(temperature=t, top_p=top_p, top_k=top_k, max_tokens=2, ignore_eos=True, seed=seed), params)
+        seq = eng.generate(
+            [1, 2, 3],
+            SamplingParams(
+                temperature=t, top_p=top_p, top_k=top_k, max_tokens=2, ignore_eos=True, seed=seed
+            ),
+            params,
+        )
         counts[seq.output[0] * V + seq.output[1]] += 1
         rounds += seq.stats.verify_rounds
     return counts, rounds / n

@@ -68,7 +68,14 @@ def test_best_first_equals_top_budget_of_full_tree(seed):
     t = build_tree(0, logprobs, budget, k)
     # brute force: every path of ranks through the per-depth top-k
     top = torch.topk(logprobs, k, -1).values
-    all_w = sorted((sum(top[d, r].item() for d, r in enumerate(path)) for n in range(1, L + 1) for path in itertools.product(range(k), repeat=n)), reverse=True)
+    all_w = sorted(
+        (
+            sum(top[d, r].item() for d, r in enumerate(path))
+            for n in range(1, L + 1)
+            for path in itertools.product(range(k), repeat=n)
+        ),
+        reverse=True,
+    )
     assert t.size - 1 == min(budget, len(all_w))
     assert sorted(t.node_logws[1:], reverse=True) == pytest.approx(all_w[: t.size - 1], abs=1e-5)
     # parents precede children; children sorted by logw; a DFS over first-child/next-sibling visits each node once
@@ -78,7 +85,9 @@ def test_best_first_equals_top_budget_of_full_tree(seed):
         n = stack.pop()
         seen.append(n)
         kids = t.children(n)
-        assert [t.node_logws[c] for c in kids] == sorted((t.node_logws[c] for c in kids), reverse=True)
+        assert [t.node_logws[c] for c in kids] == sorted(
+            (t.node_logws[c] for c in kids), reverse=True
+        )
         assert all(t.depths[c] == t.depths[n] + 1 for c in kids)
         stack.extend(kids)
     assert sorted(seen) == list(range(t.size))

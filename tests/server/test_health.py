@@ -1,0 +1,48 @@
+"""In-process (httpx.ASGITransport) checks of health against a broken model."""
+
+import asyncio
+
+import httpx
+import pytest
+import torch
+
+from service.config import EngineConfig
+from service.engine.runner import EngineRunner
+from service.engine.weights import load_model
+from service.server.app import create_app
+
+
+@pytest.fixture()
+def runner():
+    cfg = EngineConfig(model="tiny-random:1", max_context=128)
+    r = EngineRunner(cfg, loaded=load_model(cfg.model))
+    r.start()
+    yield r
+    r.shutdown()
+
+
+def test_health_generates_and_fails_when_weights_break(runner):
+    app = create_app(runner)
+
+    async def go():
+        async with httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=app), base_url="http://t"
+        ) as c:
+            ok = await c.get("/health")
+            with torch.no_grad():
+                runner.engine.model.norm.weight.fill_(float("nan"))
+            broken = await c.get("/health")
+            chat = await c.post(
+                "/v1/chat/completions",
+                json={
+                    "model": "tiny-random:1",
+                    "messages": [{"role": "user", "content": "hi"}],
+                    "max_tokens": 3,
+                },
+            )
+            return ok, broken, chat
+
+    ok, broken, chat = asyncio.run(go())
+    assert ok.status_code == 200 and ok.json()["status"] == "ok"
+    assert broken.status_code in (500, 503) and "non-finite" in broken.json()["error"]["message"]
+    assert chat.status_code == 500 and chat.json()["error"]["type"] == "engine_error"

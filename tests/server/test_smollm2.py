@@ -1,0 +1,42 @@
+"""The embedded default (SmolLM2-135M-Instruct, bundled GGUF) answers a real question."""
+
+import asyncio
+
+import httpx
+import pytest
+
+from service.config import EngineConfig
+from service.engine.runner import EngineRunner
+from service.server.app import create_app
+
+
+@pytest.mark.slow
+def test_default_model_answers():
+    runner = EngineRunner(EngineConfig())
+    runner.start()
+    try:
+
+        async def go():
+            async with httpx.AsyncClient(
+                transport=httpx.ASGITransport(app=create_app(runner)),
+                base_url="http://t",
+                timeout=120,
+            ) as c:
+                return (
+                    await c.post(
+                        "/v1/chat/completions",
+                        json={
+                            "model": "smollm2-135m",
+                            "messages": [
+                                {"role": "user", "content": "What is the capital of France?"}
+                            ],
+                            "max_tokens": 20,
+                        },
+                    )
+                ).json()
+
+        r = asyncio.run(go())
+    finally:
+        runner.shutdown()
+    assert "Paris" in r["choices"][0]["message"]["content"]
+    assert r["ddtree"]["verify_rounds"] >= 1
