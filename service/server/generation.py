@@ -1,14 +1,12 @@
-"""From an API request to engine outputs and back: sampling defaults, text, stop strings."""
+"""From an API request to backend outputs and back: sampling defaults, lengths, results."""
 
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from service.engine.runner import EngineRunner
 from service.engine.sampling import RequestStats, SamplingParams
-from service.server.text import Detokenizer
+from service.errors import ContextLengthExceeded, InvalidRequest
 
 
 @dataclass
@@ -32,8 +30,28 @@ class Completion:
     latency_s: float = 0.0
 
 
+def check_prompt(prompt: list[int], max_tokens: int | None, max_context: int) -> int:
+    """Validate lengths against the context; return the effective max_tokens."""
+    if not prompt:
+        raise InvalidRequest("the prompt is empty", param="prompt")
+    room = max_context - len(prompt)
+    if room <= 0:
+        raise ContextLengthExceeded(
+            f"the prompt has {len(prompt)} tokens; this model's maximum context length is {max_context} tokens",
+            param="messages",
+        )
+    if max_tokens is None:
+        return room
+    if max_tokens > room:
+        raise ContextLengthExceeded(
+            f"max_tokens={max_tokens} plus the prompt's {len(prompt)} tokens exceeds the maximum context length of {max_context} tokens; ask for at most {room}",
+            param="max_tokens",
+        )
+    return max_tokens
+
+
 def resolve_sampling(
-    runner: EngineRunner,
+    backend,
     prompt: list[int],
     *,
     max_tokens,
@@ -45,13 +63,13 @@ def resolve_sampling(
     ignore_eos=False,
     seed=None,
 ) -> SamplingParams:
-    """Per-request values over the engine's live defaults; validates the lengths."""
-    live = runner.config.params
+    """Per-request values over the backend's live defaults; validates the lengths."""
+    live = backend.params
     return SamplingParams(
         temperature=live.temperature if temperature is None else temperature,
         top_p=live.top_p if top_p is None else top_p,
         top_k=live.top_k if top_k is None or top_k < 0 else top_k,
-        max_tokens=runner.check_prompt(prompt, max_tokens),
+        max_tokens=check_prompt(prompt, max_tokens, backend.max_context),
         stop=tuple(stop),
         stop_token_ids=tuple(stop_token_ids or ()),
         ignore_eos=ignore_eos,
@@ -59,27 +77,10 @@ def resolve_sampling(
     )
 
 
-async def stream_deltas(
-    runner: EngineRunner, prompt: list[int], sampling: SamplingParams
-) -> AsyncIterator[Delta]:
-    detok = Detokenizer(runner.tokenizer, sampling.stop)
-    async for out in runner.generate(prompt, sampling):
-        text = detok.push(out.token_ids)
-        if detok.stopped:  # a stop string ended it; leaving the loop cancels the request
-            yield Delta(text, out.token_ids, out.fingerprint, "stop", out.stats)
-            return
-        if out.finished:
-            yield Delta(
-                text + detok.flush(), out.token_ids, out.fingerprint, out.finish_reason, out.stats
-            )
-            return
-        yield Delta(text, out.token_ids, out.fingerprint)
-
-
-async def complete(runner: EngineRunner, prompt: list[int], sampling: SamplingParams) -> Completion:
+async def complete(backend, prompt: list[int], sampling: SamplingParams) -> Completion:
     t0 = time.perf_counter()
     result = Completion()
-    async for d in stream_deltas(runner, prompt, sampling):
+    async for d in backend.stream(prompt, sampling):
         result.text += d.text
         result.token_ids.extend(d.token_ids)
         result.fingerprint = d.fingerprint

@@ -10,6 +10,7 @@ from service.config import EngineConfig
 from service.engine.runner import EngineRunner
 from service.engine.weights import load_model
 from service.server.app import create_app
+from service.server.backend import LocalBackend
 
 
 @pytest.fixture()
@@ -22,7 +23,7 @@ def runner():
 
 
 def test_health_generates_and_fails_when_weights_break(runner):
-    app = create_app(runner)
+    app = create_app(LocalBackend(runner))
 
     async def go():
         async with httpx.AsyncClient(

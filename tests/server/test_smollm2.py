@@ -8,6 +8,7 @@ import pytest
 from service.config import EngineConfig
 from service.engine.runner import EngineRunner
 from service.server.app import create_app
+from service.server.backend import LocalBackend
 
 
 @pytest.mark.slow
@@ -18,7 +19,7 @@ def test_default_model_answers():
 
         async def go():
             async with httpx.AsyncClient(
-                transport=httpx.ASGITransport(app=create_app(runner)),
+                transport=httpx.ASGITransport(app=create_app(LocalBackend(runner))),
                 base_url="http://t",
                 timeout=120,
             ) as c:
