@@ -8,7 +8,42 @@ import logging
 import os
 import sys
 
-from service.errors import DDServeError
+from service.errors import ConfigError, DDServeError
+
+# flag -> (path in EngineConfig, type, help); unset flags keep the config file's value or the default
+ENGINE_FLAGS = {
+    "--model": (
+        "model",
+        str,
+        "smollm2-135m | tiny-random[:SEED] | FILE.gguf | converted DIR (default smollm2-135m)",
+    ),
+    "--served-name": ("served_name", str, "model id in the OpenAI API (default: --model)"),
+    "--drafter": ("drafter.kind", str, "ngram | draft-model | layer-skip | none (default ngram)"),
+    "--draft-model": (
+        "drafter.draft_model",
+        str,
+        "model spec of the draft model (--drafter draft-model)",
+    ),
+    "--draft-layers": ("drafter.layers", int, "target layers kept by --drafter layer-skip"),
+    "--depth": (
+        "drafter.depth",
+        int,
+        "draft positions per round, the tree depth limit (default 8)",
+    ),
+    "--budget": (
+        "params.budget",
+        int,
+        "draft tree nodes verified per round; 0 = autoregressive (default 8)",
+    ),
+    "--topk": ("params.topk", int, "candidates per depth (default 4)"),
+    "--window": ("params.window", int, "drafter attention window in tokens (default 2048)"),
+    "--temperature": ("params.temperature", float, "default temperature, 0 = greedy (default 0)"),
+    "--top-p": ("params.top_p", float, "default nucleus mass (default 1)"),
+    "--top-k": ("params.top_k", int, "default top-k filter, 0 = off"),
+    "--max-context": ("max_context", int, "longest prompt + completion (default: the model's)"),
+    "--device": ("device", str, "auto | cpu | cuda"),
+    "--dtype": ("dtype", str, "auto | float32 | bfloat16 | float16"),
+}
 
 
 def _engine_parser(sub) -> None:
@@ -16,39 +51,11 @@ def _engine_parser(sub) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=30000)
     p.add_argument(
-        "--model",
-        default="smollm2-135m",
-        help="smollm2-135m | tiny-random[:SEED] | FILE.gguf | converted DIR",
+        "--config", default=None, help="a deploy YAML; its `engine:` section is the base config"
     )
-    p.add_argument(
-        "--served-name", default=None, help="model id in the OpenAI API (default: --model)"
-    )
-    p.add_argument("--drafter", default="ngram", help="ngram | draft-model | layer-skip | none")
-    p.add_argument(
-        "--draft-model", default=None, help="model spec of the draft model (--drafter draft-model)"
-    )
-    p.add_argument(
-        "--draft-layers", type=int, default=8, help="target layers kept by --drafter layer-skip"
-    )
-    p.add_argument(
-        "--depth", type=int, default=8, help="draft positions per round (tree depth limit)"
-    )
-    p.add_argument(
-        "--budget",
-        type=int,
-        default=8,
-        help="draft tree nodes verified per round; 0 = autoregressive",
-    )
-    p.add_argument("--topk", type=int, default=4, help="candidates per depth")
-    p.add_argument("--window", type=int, default=2048, help="drafter attention window (tokens)")
-    p.add_argument(
-        "--temperature", type=float, default=0.0, help="default temperature (0 = greedy)"
-    )
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--max-context", type=int, default=None)
-    p.add_argument("--device", default="auto", help="auto | cpu | cuda")
-    p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
+    p.add_argument("--config-json", default=None, help=argparse.SUPPRESS)  # used by replicas
+    for flag, (_, typ, help_) in ENGINE_FLAGS.items():
+        p.add_argument(flag, type=typ, default=None, help=help_)
     p.add_argument(
         "--admin-token",
         default=os.environ.get("DDSERVE_ADMIN_TOKEN"),
@@ -58,32 +65,30 @@ def _engine_parser(sub) -> None:
 
 
 def engine_config_from_args(a: argparse.Namespace):
-    from service.config import EngineConfig, validate
+    import json
 
-    return validate(
-        EngineConfig,
-        {
-            "model": a.model,
-            "served_name": a.served_name,
-            "max_context": a.max_context,
-            "device": a.device,
-            "dtype": a.dtype,
-            "drafter": {
-                "kind": a.drafter,
-                "draft_model": a.draft_model,
-                "layers": a.draft_layers,
-                "depth": a.depth,
-            },
-            "params": {
-                "budget": a.budget,
-                "topk": a.topk,
-                "window": a.window,
-                "temperature": a.temperature,
-                "top_p": a.top_p,
-                "top_k": a.top_k,
-            },
-        },
-    )
+    from service.config import EngineConfig, validate
+    from service.errors import ConfigError
+
+    base: dict = {}
+    if a.config:
+        from service.deploy_config import load_config
+
+        base = load_config(a.config).engine.model_dump()
+    elif a.config_json:
+        try:
+            base = json.loads(a.config_json)
+        except ValueError as exc:
+            raise ConfigError(f"--config-json is not valid JSON: {exc}") from exc
+    for flag, (path, _, _) in ENGINE_FLAGS.items():
+        value = getattr(a, flag.lstrip("-").replace("-", "_"))
+        if value is not None:
+            *parents, leaf = path.split(".")
+            node = base
+            for key in parents:
+                node = node.setdefault(key, {})
+            node[leaf] = value
+    return validate(EngineConfig, base)
 
 
 def run_engine(a: argparse.Namespace) -> None:
@@ -94,6 +99,8 @@ def run_engine(a: argparse.Namespace) -> None:
     from service.server.backend import LocalBackend
 
     config = engine_config_from_args(a)
+    if config.kind != "builtin":
+        raise ConfigError("`ddserve engine` runs the builtin engine; an sglang engine is started by its replica (`ddserve up`) or by SGLang's own launcher")
     torch_threads = os.environ.get("DDSERVE_THREADS")
     if torch_threads:
         import torch

@@ -90,8 +90,61 @@ class DrafterConfig(_Frozen):
         return self
 
 
+class SGLangConfig(_Frozen):
+    """How to launch SGLang (engine kind `sglang`). SGLang cannot run on CPU machines."""
+
+    python: str = Field("python3", description="Python interpreter that has sglang installed.")
+    draft_model_path: str | None = Field(
+        None, description="DFlash drafter checkpoint (--speculative-draft-model-path)."
+    )
+    speculative_algorithm: str = Field(
+        "DFLASH", description="--speculative-algorithm (DFLASH in upstream 0.5.23)."
+    )
+    block_size: int = Field(
+        16, ge=1, description="DFlash block size: --speculative-num-draft-tokens."
+    )
+    ddtree_flags: dict[str, str] = Field(
+        default_factory=lambda: {
+            "budget": "--speculative-ddtree-budget",
+            "topk": "--speculative-ddtree-topk",
+        },
+        description="Flag names of the DDTree budget/topk in your SGLang build (forks differ; upstream 0.5.23 has none). Empty = do not pass them.",
+    )
+    mem_fraction_static: float | None = Field(None, gt=0, lt=1, description="--mem-fraction-static")
+    context_length: int | None = Field(None, ge=2, description="--context-length")
+    extra_args: list[str] = Field(
+        default_factory=list, description="Appended verbatim to the launch command."
+    )
+    tokenizer_path: str | None = Field(
+        None, description="Tokenizer for chat templates in the replica; default: the model path."
+    )
+
+    @model_validator(mode="after")
+    def _flags(self) -> SGLangConfig:
+        unknown = set(self.ddtree_flags) - {"budget", "topk"}
+        if unknown:
+            raise ValueError(
+                f"ddtree_flags keys {sorted(unknown)} are unknown; use 'budget' and 'topk'"
+            )
+        bad = [f for f in self.ddtree_flags.values() if not f.startswith("--")]
+        if bad:
+            raise ValueError(f"ddtree_flags values {bad} must be long flags starting with '--'")
+        return self
+
+
 class EngineConfig(_Frozen):
     """Everything one engine process serves with."""
+
+    kind: Literal["builtin", "sglang"] = Field(
+        "builtin", description="builtin: ddserve's PyTorch DDTree engine; sglang: an SGLang server."
+    )
+    tp_size: int = Field(
+        1,
+        ge=1,
+        le=64,
+        description="GPUs per engine (tensor parallel size); the replica reserves that many.",
+    )
+    sglang: SGLangConfig | None = Field(None, description="SGLang launch settings (kind=sglang).")
 
     model: str = Field(
         "smollm2-135m",
@@ -112,6 +165,24 @@ class EngineConfig(_Frozen):
         "auto", description="auto = float32 on CPU, bfloat16 on GPU."
     )
 
+    @model_validator(mode="after")
+    def _engine_rules(self) -> EngineConfig:
+        if self.kind == "sglang":
+            if self.sglang is None:
+                raise ValueError(
+                    "engine.kind=sglang needs an `sglang:` section (at least the drafter path)"
+                )
+            if self.params.window < self.sglang.block_size:
+                raise ValueError(
+                    f"params.window={self.params.window} is below the DFlash block size {self.sglang.block_size}; "
+                    "SGLang rejects --speculative-draft-window-size < --speculative-num-draft-tokens"
+                )
+        elif self.tp_size != 1:
+            raise ValueError(
+                f"tp_size={self.tp_size}: the builtin engine runs on one device; use kind=sglang for tensor parallelism"
+            )
+        return self
+
     @property
     def model_id(self) -> str:
         return self.served_name or self.model
@@ -119,6 +190,9 @@ class EngineConfig(_Frozen):
     def fingerprint(self, resolved_dtype: str | None = None) -> str:
         """Short hash of everything that changes what the engine serves."""
         payload = {
+            "kind": self.kind,
+            "sglang": self.sglang.model_dump() if self.sglang else None,
+            "tp_size": self.tp_size,
             "model": self.model,
             "drafter": self.drafter.model_dump(),
             "params": self.params.model_dump(),

@@ -232,3 +232,19 @@ def load_model(
         )
     model = model.to(device=device, dtype=dtype)
     return LoadedModel(model=model, tokenizer=tok if with_tokenizer else None, spec=spec)
+
+
+def load_tokenizer(spec: str):
+    """The tokenizer of a model spec, without its weights (replicas render chat templates)."""
+    from transformers import AutoTokenizer
+
+    if spec == "smollm2-135m" or spec.startswith("tiny-random"):
+        directory = _convert_gguf(smollm2_gguf_path())
+    elif spec.endswith(".gguf"):
+        directory = _convert_gguf(Path(spec))
+    else:
+        directory = Path(spec)  # a converted dir, or a Hugging Face model dir (SGLang)
+    try:
+        return AutoTokenizer.from_pretrained(directory)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"no tokenizer for model {spec!r} in {directory}: {exc}") from exc

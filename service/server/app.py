@@ -33,7 +33,7 @@ from service.errors import (
     openai_error_body,
 )
 from service.server import openai_format as fmt
-from service.server.generation import complete, resolve_sampling
+from service.server.generation import accept_histogram, complete, resolve_sampling
 from service.server.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
 from service.server.text import encode, render_chat
 
@@ -264,6 +264,7 @@ def create_app(
                 "spec_accept_length": round(stats.tau, 4) if stats else 0.0,
                 "e2e_latency": round(time.perf_counter() - t0, 4),
                 "system_fingerprint": fp,
+                **({"spec_accept_histogram": accept_histogram(stats)} if finish and stats else {}),
             }
 
         if not req.stream:

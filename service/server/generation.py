@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 
 from service.engine.sampling import RequestStats, SamplingParams
@@ -88,3 +89,8 @@ async def complete(backend, prompt: list[int], sampling: SamplingParams) -> Comp
             result.finish_reason, result.stats = d.finish_reason, d.stats
     result.latency_s = time.perf_counter() - t0
     return result
+
+
+def accept_histogram(stats: RequestStats | None) -> dict[str, int]:
+    """{tokens committed in a round: rounds} of one request (per-round acceptance lengths)."""
+    return {str(k): v for k, v in sorted(Counter(stats.accept_lengths).items())} if stats else {}

@@ -1,0 +1,106 @@
+"""The deployment config (`deploy/*.yaml`): one engine config, replicas, HTTP, health.
+
+    name: ddserve                 # Serve application name
+    engine: {...}                 # service.config.EngineConfig
+    replicas: 2                   # or {min: 1, max: 4, target_ongoing_requests: 4}
+    http: {host: 127.0.0.1, port: 8000}
+    admin_token_env: DDSERVE_ADMIN_TOKEN   # the token itself never sits in the file
+    health: {period_s: 10, timeout_s: 120, engine_start_timeout_s: 900}
+
+`load_config(path)` validates once and returns a frozen model; any error is one line that
+names the field, the value and what is allowed.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import yaml
+from pydantic import Field, model_validator
+
+from service.config import EngineConfig, _Frozen, validate
+from service.errors import ConfigError
+
+
+class Autoscaling(_Frozen):
+    min: int = Field(1, ge=1, description="Fewest replicas.")
+    max: int = Field(2, ge=1, description="Most replicas.")
+    target_ongoing_requests: float = Field(
+        4.0, gt=0, description="In-flight requests per replica that autoscaling aims for."
+    )
+
+    @model_validator(mode="after")
+    def _order(self) -> Autoscaling:
+        if self.min > self.max:
+            raise ValueError(f"replicas.min={self.min} > replicas.max={self.max}; make min <= max")
+        return self
+
+
+class HTTPConfig(_Frozen):
+    host: str = Field("127.0.0.1", description="Address of Serve's HTTP proxy.")
+    port: int = Field(8000, ge=1, le=65535, description="Port of Serve's HTTP proxy.")
+
+
+class HealthConfig(_Frozen):
+    period_s: float = Field(
+        10.0, gt=0, description="How often Serve runs each replica's health check."
+    )
+    timeout_s: float = Field(
+        120.0,
+        gt=0,
+        description="A health check (a real generation) slower than this fails; long enough that long prefills do not trip it.",
+    )
+    recent_traffic_s: float = Field(
+        10.0,
+        ge=0,
+        description="A replica that completed a real request this recently counts as healthy without a new probe (SGLang's health_generate rule).",
+    )
+    engine_start_timeout_s: float = Field(
+        900.0, gt=0, description="Loading weights + first real generation must finish within this."
+    )
+
+
+class ServeConfig(_Frozen):
+    name: str = Field("ddserve", pattern=r"^[A-Za-z0-9_-]+$", description="Serve application name.")
+    engine: EngineConfig = Field(default_factory=EngineConfig)
+    replicas: int | Autoscaling = Field(1, description="A fixed count, or autoscaling bounds.")
+    http: HTTPConfig = Field(default_factory=HTTPConfig)
+    admin_token_env: str = Field(
+        "DDSERVE_ADMIN_TOKEN", description="Environment variable holding the admin token."
+    )
+    health: HealthConfig = Field(default_factory=HealthConfig)
+    max_ongoing_requests: int = Field(
+        64, ge=1, description="Requests a replica accepts at once before Serve queues them."
+    )
+    cpus_per_replica: float = Field(
+        1.0, ge=0, description="Ray CPUs reserved per replica (its engine process included)."
+    )
+
+    @model_validator(mode="after")
+    def _replicas(self) -> ServeConfig:
+        if isinstance(self.replicas, int) and self.replicas < 1:
+            raise ValueError(
+                f"replicas={self.replicas}: need at least 1 (or {{min, max}} for autoscaling)"
+            )
+        return self
+
+    @property
+    def admin_token(self) -> str | None:
+        return os.environ.get(self.admin_token_env) or None
+
+
+def load_config(path: str | Path) -> ServeConfig:
+    p = Path(path)
+    try:
+        data = yaml.safe_load(p.read_text()) or {}
+    except OSError as exc:
+        raise ConfigError(f"cannot read config {p}: {exc.strerror}") from exc
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{p} is not valid YAML: {str(exc).splitlines()[0]}") from exc
+    if not isinstance(data, dict):
+        raise ConfigError(f"{p}: the top level must be a mapping of fields")
+    try:
+        return validate(ServeConfig, data)
+    except ConfigError as exc:
+        raise ConfigError(f"{p}: {exc.message}", param=exc.param) from exc

@@ -1,0 +1,144 @@
+"""Start, watch and stop one engine process (builtin or SGLang) on a loopback port.
+
+The replica (Ray), the reconfig controller and systemd-less tests all use this. The child
+gets PR_SET_PDEATHSIG so it dies with its parent: no orphaned engines holding GPUs.
+Readiness is a real generation (`/health_generate`), never "the port answers".
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from service.config import EngineConfig
+from service.errors import EngineUnavailable
+from service.sglang_launcher import sglang_command
+
+log = logging.getLogger(__name__)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _die_with_parent() -> None:
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+    os.setpgrp()  # own process group: stop() signals the engine and its children together
+
+
+def engine_command(cfg: EngineConfig, host: str, port: int) -> list[str]:
+    if cfg.kind == "sglang":
+        return sglang_command(cfg, host, port)
+    cmd = [
+        sys.executable,
+        "-m",
+        "service.cli",
+        "engine",
+        "--config-json",
+        cfg.model_dump_json(),
+        "--host",
+        host,
+        "--port",
+        str(port),
+    ]
+    return cmd
+
+
+class EngineProcess:
+    def __init__(
+        self,
+        cfg: EngineConfig,
+        *,
+        host: str = "127.0.0.1",
+        port: int | None = None,
+        admin_token: str | None = None,
+        log_path: str | Path | None = None,
+        env: dict | None = None,
+    ):
+        self.cfg = cfg
+        self.host = host
+        self.port = port or free_port(host)
+        self.url = f"http://{host}:{self.port}"
+        self.admin_token = admin_token
+        self.log_path = Path(log_path) if log_path else None
+        self.env = env
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc else None
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def start(self) -> None:
+        env = {**os.environ, **(self.env or {})}
+        if self.admin_token:
+            env["DDSERVE_ADMIN_TOKEN"] = self.admin_token
+        out = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
+        cmd = engine_command(self.cfg, self.host, self.port)
+        log.info("starting engine: %s", " ".join(cmd[:4]) + " ...")
+        try:
+            self.proc = subprocess.Popen(
+                cmd, stdout=out, stderr=subprocess.STDOUT, env=env, preexec_fn=_die_with_parent
+            )
+        except OSError as exc:
+            raise EngineUnavailable(f"cannot start engine {cmd[0]}: {exc}") from exc
+
+    def wait_ready(self, timeout: float) -> str:
+        """Until a real generation succeeds; returns the engine's fingerprint."""
+        deadline = time.monotonic() + timeout
+        last = "no answer yet"
+        while time.monotonic() < deadline:
+            if not self.alive():
+                raise EngineUnavailable(
+                    f"engine exited with code {self.proc.returncode} before it was ready ({self._log_tail()})"
+                )
+            try:
+                r = httpx.get(
+                    self.url + "/health_generate",
+                    timeout=min(60.0, max(1.0, deadline - time.monotonic())),
+                )
+                if r.status_code == 200:
+                    return (
+                        r.json().get("system_fingerprint", "")
+                        if r.headers.get("content-type", "").startswith("application/json")
+                        else ""
+                    )
+                last = f"HTTP {r.status_code}"
+            except httpx.HTTPError as exc:
+                last = type(exc).__name__
+            time.sleep(0.2)
+        raise EngineUnavailable(f"engine not ready within {timeout:.0f}s (last: {last})")
+
+    def stop(self, grace_s: float = 20.0) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        try:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            self.proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(5)
+        except ProcessLookupError:
+            pass
+
+    def _log_tail(self) -> str:
+        if not self.log_path or not self.log_path.exists():
+            return "no log"
+        lines = self.log_path.read_text(errors="replace").strip().splitlines()
+        return " | ".join(lines[-3:])[-500:] or "empty log"

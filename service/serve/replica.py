@@ -1,0 +1,198 @@
+"""The replica deployment: each replica owns one engine process and serves the OpenAI API.
+
+    build_app(config)  ->  a Serve application of `EngineReplica` (FastAPI ingress)
+
+A replica starts its engine (builtin or SGLang) as a child process on a free loopback port,
+waits until a real generation passes, then serves `create_app(RemoteBackend)`. GPU engines
+reserve `tp_size` GPUs in a placement group; Ray sets CUDA_VISIBLE_DEVICES for the replica
+and the engine inherits it. Serve's `check_health` runs a real generation (or trusts a
+request that completed within `health.recent_traffic_s`); a dead or hung engine makes the
+replica unhealthy and Serve replaces it. `__del__` stops the engine; the engine also has
+PR_SET_PDEATHSIG, so it dies with a killed replica.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import secrets
+import tempfile
+import time
+
+import ray
+from ray import serve
+
+from service.deploy_config import Autoscaling, ServeConfig
+from service.engine_process import EngineProcess
+from service.errors import EngineUnavailable
+from service.serve.engine_client import RemoteBackend
+from service.serve.metrics import MeteredBackend, ReplicaMetrics
+from service.server.app import create_app
+
+log = logging.getLogger(__name__)
+
+REGISTRY_NS = "ddserve"
+
+
+def _replica_id() -> str:
+    try:
+        ctx = serve.get_replica_context()
+        return ctx.replica_id.unique_id
+    except Exception:  # outside a replica (unit tests)
+        return f"local-{os.getpid()}"
+
+
+def publish_status(app_name: str, replica_id: str, status: dict) -> None:
+    """Record this replica's state in Ray's KV store for `ddserve status`."""
+    from ray.experimental import internal_kv
+
+    key = f"{app_name}/{replica_id}"
+    internal_kv._internal_kv_put(key, json.dumps(status), overwrite=True, namespace=REGISTRY_NS)
+
+
+@serve.ingress()
+class EngineReplica:
+    async def __init__(self, config: dict):
+        self.cfg = ServeConfig.model_validate(config)
+        self.replica_id = _replica_id()
+        self.node_ip = ray.util.get_node_ip_address()
+        ecfg = self.cfg.engine
+        env = {}
+        if ecfg.kind == "sglang":
+            gpus = ray.get_gpu_ids()
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(str(int(g)) for g in gpus)
+        self.log_path = os.path.join(tempfile.gettempdir(), f"ddserve-engine-{self.replica_id}.log")
+        self.engine = EngineProcess(
+            ecfg, admin_token=secrets.token_hex(16), log_path=self.log_path, env=env
+        )
+        self.engine.start()
+        try:
+            await asyncio.to_thread(self.engine.wait_ready, self.cfg.health.engine_start_timeout_s)
+            from service.engine.weights import load_tokenizer
+
+            spec = (
+                (ecfg.sglang.tokenizer_path or ecfg.model) if ecfg.kind == "sglang" else ecfg.model
+            )
+            tokenizer = await asyncio.to_thread(load_tokenizer, spec)
+            self.backend = MeteredBackend(
+                RemoteBackend(
+                    self.engine.url, ecfg, tokenizer, admin_token=self.engine.admin_token
+                ),
+                ReplicaMetrics(),
+            )
+            await self.backend.refresh()
+        except BaseException:
+            self.engine.stop()
+            raise
+        self.healthy_at = time.time()
+        self._publish("RUNNING")
+        log.info(
+            "replica %s ready: engine pid %s at %s, fingerprint %s",
+            self.replica_id,
+            self.engine.pid,
+            self.engine.url,
+            self.backend.fingerprint,
+        )
+
+    def __serve_build_asgi_app__(self):
+        app = create_app(self.backend, admin_token=self.cfg.admin_token, title="ddserve")
+        replica = self.replica_id
+
+        @app.middleware("http")
+        async def _tag(request, call_next):
+            response = await call_next(request)
+            response.headers["x-ddserve-replica"] = replica
+            return response
+
+        return app
+
+    def _publish(self, state: str, error: str = "") -> None:
+        b = getattr(self, "backend", None)
+        publish_status(
+            self.cfg.name,
+            self.replica_id,
+            {
+                "replica": self.replica_id,
+                "node": self.node_ip,
+                "state": state,
+                "error": error,
+                "engine": self.cfg.engine.kind,
+                "engine_url": self.engine.url,
+                "engine_pid": self.engine.pid,
+                "fingerprint": b.fingerprint if b else "",
+                "params": b.params.model_dump() if b else {},
+                "updated": time.time(),
+                "healthy_at": self.healthy_at,
+            },
+        )
+
+    async def check_health(self) -> None:
+        """Serve calls this every health.period_s: a real generation, or recent real traffic."""
+        if not self.engine.alive():
+            self._publish("UNHEALTHY", "engine process exited")
+            raise EngineUnavailable(
+                f"engine process {self.engine.pid} exited with code {self.engine.proc.returncode}"
+            )
+        recent = time.monotonic() - self.backend.last_success < self.cfg.health.recent_traffic_s
+        if not recent:
+            try:
+                await self.backend.check_health(timeout=self.cfg.health.timeout_s)
+            except EngineUnavailable as exc:
+                self._publish("UNHEALTHY", exc.message)
+                raise
+        self.healthy_at = time.time()
+        self._publish("RUNNING")
+
+    async def __del__(self):
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            await asyncio.to_thread(engine.stop)
+        b = getattr(self, "backend", None)
+        if b is not None:
+            await b.inner.aclose()
+        if hasattr(self, "cfg"):
+            from ray.experimental import internal_kv
+
+            internal_kv._internal_kv_del(
+                f"{self.cfg.name}/{self.replica_id}", namespace=REGISTRY_NS
+            )
+
+
+def deployment_options(cfg: ServeConfig) -> dict:
+    """Serve deployment options from the config (pure: tested without a cluster)."""
+    e = cfg.engine
+    gpus = e.tp_size if e.kind == "sglang" else (1 if e.device == "cuda" else 0)
+    opts: dict = {
+        "name": "EngineReplica",
+        "ray_actor_options": {"num_cpus": cfg.cpus_per_replica, "num_gpus": gpus},
+        "max_ongoing_requests": cfg.max_ongoing_requests,
+        "health_check_period_s": cfg.health.period_s,
+        "health_check_timeout_s": cfg.health.timeout_s + 10,
+        "graceful_shutdown_timeout_s": 120,
+        "graceful_shutdown_wait_loop_s": 1,
+    }
+    if gpus:
+        # one bundle holding the replica and all its engine's GPUs, on one node
+        opts["placement_group_bundles"] = [{"CPU": cfg.cpus_per_replica, "GPU": gpus}]
+        opts["placement_group_strategy"] = "STRICT_PACK"
+    if isinstance(cfg.replicas, Autoscaling):
+        a = cfg.replicas
+        opts["autoscaling_config"] = {
+            "min_replicas": a.min,
+            "max_replicas": a.max,
+            "target_ongoing_requests": a.target_ongoing_requests,
+        }
+    else:
+        opts["num_replicas"] = cfg.replicas
+    return opts
+
+
+def build_app(cfg: ServeConfig):
+    """Config -> Serve application (only serializable data crosses into the replicas)."""
+    return (
+        serve.deployment(EngineReplica)
+        .options(**deployment_options(cfg))
+        .bind(cfg.model_dump(mode="json"))
+    )
