@@ -1,5 +1,9 @@
-"""`ddserve` command line: `ddserve engine ...` runs one builtin engine server;
-`ddserve chat MESSAGE` asks a running server. Bad input exits non-zero with one line."""
+"""`ddserve` command line. Bad input exits non-zero with one readable line.
+
+ddserve engine ...        one builtin engine server (FastAPI + uvicorn)
+ddserve chat MESSAGE      ask a running server
+ddserve up|status|down    the Ray Serve application (service.cli_serve)
+"""
 
 from __future__ import annotations
 
@@ -100,7 +104,9 @@ def run_engine(a: argparse.Namespace) -> None:
 
     config = engine_config_from_args(a)
     if config.kind != "builtin":
-        raise ConfigError("`ddserve engine` runs the builtin engine; an sglang engine is started by its replica (`ddserve up`) or by SGLang's own launcher")
+        raise ConfigError(
+            "`ddserve engine` runs the builtin engine; an sglang engine is started by its replica (`ddserve up`) or by SGLang's own launcher"
+        )
     torch_threads = os.environ.get("DDSERVE_THREADS")
     if torch_threads:
         import torch
@@ -154,9 +160,12 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--url", default="http://127.0.0.1:30000")
     c.add_argument("--model", default=None)
     c.add_argument("--max-tokens", type=int, default=128)
+    from service import cli_serve
+
+    cli_serve.add_parsers(sub)
     a = parser.parse_args(argv)
     logging.basicConfig(
-        level=getattr(a, "log_level", "info").upper(),
+        level=getattr(a, "log_level", "warning").upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     try:
@@ -164,6 +173,8 @@ def main(argv: list[str] | None = None) -> int:
             run_engine(a)
         elif a.command == "chat":
             run_chat(a)
+        else:
+            return cli_serve.dispatch(a)
     except DDServeError as exc:
         print(f"ddserve: error: {exc.message}", file=sys.stderr)
         return 2

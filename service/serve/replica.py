@@ -88,6 +88,7 @@ class EngineReplica:
             raise
         self.healthy_at = time.time()
         self._publish("RUNNING")
+        self._watchdog = asyncio.get_running_loop().create_task(self._watch_engine())
         log.info(
             "replica %s ready: engine pid %s at %s, fingerprint %s",
             self.replica_id,
@@ -127,6 +128,16 @@ class EngineReplica:
                 "healthy_at": self.healthy_at,
             },
         )
+
+    async def _watch_engine(self) -> None:
+        """An engine that exits takes its replica with it at once, so the proxy stops
+        routing here within a second instead of at the next health check."""
+        while self.engine.alive():
+            await asyncio.sleep(0.5)
+        msg = f"engine process {self.engine.pid} exited with code {self.engine.proc.returncode}"
+        log.error("%s; stopping replica %s so Serve replaces it", msg, self.replica_id)
+        self._publish("DEAD", msg)
+        ray.kill(ray.get_runtime_context().current_actor, no_restart=True)
 
     async def check_health(self) -> None:
         """Serve calls this every health.period_s: a real generation, or recent real traffic."""

@@ -1,0 +1,195 @@
+"""`ddserve up | status | down`: the Ray Serve application from the command line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+from service.errors import ConfigError, EngineUnavailable
+
+DEFAULT_CONFIG = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "deploy", "default.yaml"
+)
+
+
+def add_parsers(sub) -> None:
+    up = sub.add_parser(
+        "up", help="start Ray if needed, deploy, wait until a real generation passes"
+    )
+    up.add_argument("--config", default=DEFAULT_CONFIG)
+    up.add_argument(
+        "--address",
+        default=None,
+        help="Ray cluster address (default: the running one, else start a local head)",
+    )
+    up.add_argument("--num-cpus", type=int, default=None, help="CPUs of a newly started local head")
+    st = sub.add_parser("status", help="replicas, their engine, fingerprint and health")
+    st.add_argument("--config", default=DEFAULT_CONFIG)
+    st.add_argument("--address", default=None)
+    st.add_argument("--json", action="store_true")
+    down = sub.add_parser(
+        "down", help="delete the application (and with --stop-ray, the local Ray)"
+    )
+    down.add_argument("--config", default=DEFAULT_CONFIG)
+    down.add_argument("--address", default=None)
+    down.add_argument("--stop-ray", action="store_true")
+
+
+def _connect(address: str | None, *, start: bool, num_cpus: int | None = None) -> None:
+    import ray
+
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    try:
+        ray.init(address=address or "auto", logging_level="ERROR", log_to_driver=False)
+        return
+    except ConnectionError as exc:
+        if not start or address:
+            raise EngineUnavailable(
+                f"no Ray cluster at {address or 'this machine'}; run `ddserve up` first"
+            ) from exc
+    cmd = ["ray", "start", "--head", "--disable-usage-stats", "--include-dashboard=false"]
+    if num_cpus:
+        cmd += ["--num-cpus", str(num_cpus)]
+    print("starting a local Ray head ...", flush=True)
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode != 0:
+        raise EngineUnavailable(
+            f"`ray start` failed: {r.stderr.strip().splitlines()[-1] if r.stderr.strip() else r.returncode}"
+        )
+    ray.init(address="auto", logging_level="ERROR", log_to_driver=False)
+
+
+def run_up(a: argparse.Namespace) -> None:
+    import httpx
+    from ray import serve
+
+    from service.deploy_config import load_config
+    from service.serve.replica import build_app
+
+    cfg = load_config(a.config)
+    _connect(a.address, start=True, num_cpus=a.num_cpus)
+    serve.start(http_options={"host": cfg.http.host, "port": cfg.http.port})
+    t0 = time.time()
+    print(
+        f"deploying {cfg.name}: {cfg.engine.kind} engine, model {cfg.engine.model_id}, replicas {cfg.replicas} ...",
+        flush=True,
+    )
+    serve.run(build_app(cfg), name=cfg.name, route_prefix="/", blocking=False)
+    host = "127.0.0.1" if cfg.http.host in ("0.0.0.0", "::") else cfg.http.host
+    url = f"http://{host}:{cfg.http.port}"
+    body = {
+        "model": cfg.engine.model_id,
+        "messages": [{"role": "user", "content": "Say hello."}],
+        "max_tokens": 8,
+    }
+    r = httpx.post(url + "/v1/chat/completions", json=body, timeout=cfg.health.timeout_s)
+    if r.status_code != 200 or not r.json()["choices"][0]["message"]["content"]:
+        raise EngineUnavailable(
+            f"deployed, but a real generation failed: HTTP {r.status_code} {r.text[:200]}"
+        )
+    data = r.json()
+    print(
+        f"ready in {time.time() - t0:.1f}s: {url}/v1 (model {cfg.engine.model_id}, fingerprint {data['system_fingerprint']})"
+    )
+    print(
+        f"  answered: {data['choices'][0]['message']['content']!r} (replica {r.headers.get('x-ddserve-replica')})"
+    )
+
+
+def replica_states(app_name: str) -> list[dict]:
+    from ray.experimental import internal_kv
+
+    from service.serve.replica import REGISTRY_NS
+
+    out = []
+    for key in internal_kv._internal_kv_list(f"{app_name}/", namespace=REGISTRY_NS):
+        raw = internal_kv._internal_kv_get(key, namespace=REGISTRY_NS)
+        if raw:
+            out.append(json.loads(raw))
+    return sorted(out, key=lambda s: s["replica"])
+
+
+def forget_replicas(app_name: str, replica_ids: list[str]) -> None:
+    from ray.experimental import internal_kv
+
+    from service.serve.replica import REGISTRY_NS
+
+    for rid in replica_ids:
+        internal_kv._internal_kv_del(f"{app_name}/{rid}", namespace=REGISTRY_NS)
+
+
+def run_status(a: argparse.Namespace) -> int:
+    from ray import serve
+
+    from service.deploy_config import load_config
+
+    cfg = load_config(a.config)
+    _connect(a.address, start=False)
+    apps = serve.status().applications
+    app = apps.get(cfg.name)
+    if app is None:
+        print(f"application {cfg.name!r} is not deployed", file=sys.stderr)
+        return 1
+    replicas = replica_states(cfg.name)
+    stale_after = 3 * cfg.health.period_s + 5
+    for r in replicas:
+        r["age_s"] = round(time.time() - r["updated"], 1)
+        if r["state"] == "RUNNING" and r["age_s"] > stale_after:
+            r["state"] = "STALE"
+    gone = [r for r in replicas if r["state"] in ("DEAD", "STALE") and r["age_s"] > 2 * stale_after]
+    forget_replicas(cfg.name, [r["replica"] for r in gone])
+    replicas = [r for r in replicas if r not in gone]
+    if a.json:
+        print(
+            json.dumps(
+                {"application": cfg.name, "status": str(app.status), "replicas": replicas}, indent=1
+            )
+        )
+    else:
+        print(f"application {cfg.name}: {app.status}")
+        for name, dep in app.deployments.items():
+            print(f"  deployment {name}: {dep.status} {dict(dep.replica_states)}")
+        print(
+            f"  {'replica':10s} {'state':10s} {'node':15s} {'engine':8s} {'pid':>7s} {'fingerprint':14s} {'budget':>6s} {'topk':>4s} {'window':>6s} {'temp':>5s} {'checked':>8s}"
+        )
+        for r in replicas:
+            p = r.get("params", {})
+            print(
+                f"  {r['replica']:10s} {r['state']:10s} {r['node']:15s} {r['engine']:8s} {r['engine_pid'] or 0:7d} {r['fingerprint']:14s} {p.get('budget', ''):>6} {p.get('topk', ''):>4} {p.get('window', ''):>6} {p.get('temperature', ''):>5} {r['age_s']:>7}s"
+            )
+    healthy = [r for r in replicas if r["state"] == "RUNNING"]
+    return 0 if str(app.status).endswith("RUNNING") and healthy else 1
+
+
+def run_down(a: argparse.Namespace) -> None:
+    from ray import serve
+
+    from service.deploy_config import load_config
+
+    cfg = load_config(a.config)
+    try:
+        _connect(a.address, start=False)
+        serve.delete(cfg.name)
+        print(f"deleted application {cfg.name}")
+    except EngineUnavailable:
+        if not a.stop_ray:
+            raise
+    if a.stop_ray:
+        subprocess.run(["ray", "stop"], capture_output=True)
+        print("stopped the local Ray cluster")
+
+
+def dispatch(a: argparse.Namespace) -> int:
+    if a.command == "up":
+        run_up(a)
+    elif a.command == "status":
+        return run_status(a)
+    elif a.command == "down":
+        run_down(a)
+    else:
+        raise ConfigError(f"unknown command {a.command}")
+    return 0
