@@ -40,9 +40,19 @@ def add_parsers(sub) -> None:
 
 
 def _connect(address: str | None, *, start: bool, num_cpus: int | None = None) -> None:
+    """Connect to Ray; with `start`, start a local head when none runs. A local cluster
+    binds to loopback unless DDSERVE_RAY_LOOPBACK=0 (a laptop's Ray is not a network service)."""
+    loopback = address is None and os.environ.get("DDSERVE_RAY_LOOPBACK", "1") == "1"
+    if loopback:
+        os.environ.setdefault(
+            "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0"
+        )  # Ray's own switch: node IP = 127.0.0.1
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    # LLM replicas are compute-bound: Serve's proxies should balance by load, not prefer
+    # replicas on their own node (inherited by the head started below)
+    os.environ.setdefault("RAY_SERVE_PROXY_PREFER_LOCAL_NODE_ROUTING", "0")
     import ray
 
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     try:
         ray.init(address=address or "auto", logging_level="ERROR", log_to_driver=False)
         return
@@ -51,7 +61,9 @@ def _connect(address: str | None, *, start: bool, num_cpus: int | None = None) -
             raise EngineUnavailable(
                 f"no Ray cluster at {address or 'this machine'}; run `ddserve up` first"
             ) from exc
-    cmd = ["ray", "start", "--head", "--disable-usage-stats", "--include-dashboard=false"]
+    cmd = ["ray", "start", "--head", "--disable-usage-stats"]
+    if loopback:
+        cmd += ["--node-ip-address", "127.0.0.1"]
     if num_cpus:
         cmd += ["--num-cpus", str(num_cpus)]
     print("starting a local Ray head ...", flush=True)

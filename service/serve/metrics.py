@@ -87,13 +87,20 @@ class ReplicaMetrics:
             },
         }
         if self._config_tags and self._config_tags != tags:
-            self.config_info.set(0, tags=self._config_tags)
-        self.config_info.set(1, tags=tags)
+            self.config_info.set(0.0, tags=self._config_tags)
+        self.config_info.set(1.0, tags=tags)
         self._config_tags = tags
+
+    def refresh(self) -> None:
+        """Re-set the gauges. Ray drops a gauge sample that is not refreshed within two
+        export intervals, so the replica calls this periodically."""
+        if self._config_tags:
+            self.config_info.set(1.0, tags=self._config_tags)
+        self.inflight.set(float(self._inflight))
 
     def _adjust_inflight(self, d: int) -> None:
         self._inflight += d
-        self.inflight.set(self._inflight)
+        self.inflight.set(float(self._inflight))
 
 
 class MeteredBackend:

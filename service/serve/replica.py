@@ -117,6 +117,7 @@ class EngineReplica:
             {
                 "replica": self.replica_id,
                 "node": self.node_ip,
+                "node_id": ray.get_runtime_context().get_node_id(),
                 "state": state,
                 "error": error,
                 "engine": self.cfg.engine.kind,
@@ -130,9 +131,11 @@ class EngineReplica:
         )
 
     async def _watch_engine(self) -> None:
-        """An engine that exits takes its replica with it at once, so the proxy stops
-        routing here within a second instead of at the next health check."""
+        """Keeps the metric gauges fresh, and: an engine that exits takes its replica with
+        it at once, so the proxy stops routing here within a second instead of at the next
+        health check."""
         while self.engine.alive():
+            self.backend.m.refresh()
             await asyncio.sleep(0.5)
         msg = f"engine process {self.engine.pid} exited with code {self.engine.proc.returncode}"
         log.error("%s; stopping replica %s so Serve replaces it", msg, self.replica_id)
