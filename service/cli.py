@@ -163,6 +163,9 @@ def main(argv: list[str] | None = None) -> int:
     from service import cli_serve
 
     cli_serve.add_parsers(sub)
+    from reconfig import cli as reconfig_cli
+
+    reconfig_cli.add_parsers(sub, cli_serve.DEFAULT_CONFIG)
     a = parser.parse_args(argv)
     logging.basicConfig(
         level=getattr(a, "log_level", "warning").upper(),
@@ -173,6 +176,8 @@ def main(argv: list[str] | None = None) -> int:
             run_engine(a)
         elif a.command == "chat":
             run_chat(a)
+        elif a.command == "reconfig":
+            return reconfig_cli.dispatch(a)
         else:
             return cli_serve.dispatch(a)
     except DDServeError as exc:

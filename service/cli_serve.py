@@ -104,6 +104,16 @@ def run_up(a: argparse.Namespace) -> None:
             f"deployed, but a real generation failed: HTTP {r.status_code} {r.text[:200]}"
         )
     data = r.json()
+    from reconfig.history import History
+    from reconfig.ray_target import RayTarget, token_digest
+
+    RayTarget(cfg, History(f"ray-{cfg.name}")).record_deployed(
+        cfg, cfg.engine.params.model_dump(), token_digest(cfg.admin_token)
+    )
+    if not cfg.admin_token:
+        print(
+            f"note: {cfg.admin_token_env} is not set, so `ddserve reconfig` will not ask for an admin token"
+        )
     print(
         f"ready in {time.time() - t0:.1f}s: {url}/v1 (model {cfg.engine.model_id}, fingerprint {data['system_fingerprint']})"
     )

@@ -145,6 +145,10 @@ class EngineConfig(_Frozen):
         description="GPUs per engine (tensor parallel size); the replica reserves that many.",
     )
     sglang: SGLangConfig | None = Field(None, description="SGLang launch settings (kind=sglang).")
+    restart_fields: list[str] = Field(
+        default_factory=list,
+        description="Live parameters this deployment always changes by restarting engines (SGLang adds budget, topk, window itself).",
+    )
 
     model: str = Field(
         "smollm2-135m",
@@ -167,6 +171,11 @@ class EngineConfig(_Frozen):
 
     @model_validator(mode="after")
     def _engine_rules(self) -> EngineConfig:
+        unknown = set(self.restart_fields) - set(LiveParams.model_fields)
+        if unknown:
+            raise ValueError(
+                f"restart_fields {sorted(unknown)} are not live parameters; choose from {sorted(LiveParams.model_fields)}"
+            )
         if self.kind == "sglang":
             if self.sglang is None:
                 raise ValueError(
@@ -187,8 +196,9 @@ class EngineConfig(_Frozen):
     def model_id(self) -> str:
         return self.served_name or self.model
 
-    def fingerprint(self, resolved_dtype: str | None = None) -> str:
-        """Short hash of everything that changes what the engine serves."""
+    def fingerprint(self) -> str:
+        """Short hash of everything that changes what the engine serves (`dtype: auto`
+        means float32 on CPU, bfloat16 on GPU: the same config hashes the same anywhere)."""
         payload = {
             "kind": self.kind,
             "sglang": self.sglang.model_dump() if self.sglang else None,
@@ -196,7 +206,8 @@ class EngineConfig(_Frozen):
             "model": self.model,
             "drafter": self.drafter.model_dump(),
             "params": self.params.model_dump(),
-            "dtype": resolved_dtype or self.dtype,
+            "dtype": self.dtype,
+            "max_context": self.max_context,
         }
         digest = hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
         return "fp_" + digest[:10]

@@ -5,6 +5,7 @@
     │   └── ContextLengthExceeded     400 context_length_exceeded
     ├── ModelNotFound                 404 model_not_found
     ├── Unauthorized                  401 invalid_api_key
+    ├── Conflict                      409 conflict (the operation belongs elsewhere)
     ├── ConfigError                   bad config file / CLI value (never reaches HTTP)
     └── EngineError                   500 engine_error  (the engine failed while generating)
         └── EngineUnavailable         503 engine_unavailable (not started, dead, shutting down)
@@ -49,6 +50,12 @@ class Unauthorized(DDServeError):
     status_code = 401
     error_type = "authentication_error"
     code = "invalid_api_key"
+
+
+class Conflict(DDServeError):
+    status_code = 409
+    error_type = "invalid_request_error"
+    code = "conflict"
 
 
 class ConfigError(DDServeError):

@@ -88,7 +88,16 @@ def test_upstream_parser_rejects_a_wrong_flag():
             sys.executable,
             "-c",
             PARSE,
-            json.dumps(["--model-path", "/m", "--speculative-draft-window", "8", "--speculative-ddtree-budget", "8"]),
+            json.dumps(
+                [
+                    "--model-path",
+                    "/m",
+                    "--speculative-draft-window",
+                    "8",
+                    "--speculative-ddtree-budget",
+                    "8",
+                ]
+            ),
         ],
         capture_output=True,
         text=True,

@@ -104,7 +104,6 @@ class EngineRunner:
         self.tokenizer = None
         self.max_context = 0
         self._fingerprint = ""
-        self._dtype_name = ""
         self._pending: list[_Request] = []
         self._active: list[_Request] = []
         self._cv = threading.Condition()
@@ -117,7 +116,6 @@ class EngineRunner:
     def start(self) -> None:
         t0 = time.perf_counter()
         device, dtype = resolve_device(self.config)
-        self._dtype_name = str(dtype).removeprefix("torch.")
         loaded = self._loaded or load_model(self.config.model, device, dtype)
         model = loaded.model.to(device=device, dtype=dtype)
         self.tokenizer = loaded.tokenizer
@@ -126,7 +124,7 @@ class EngineRunner:
             model, drafter, self.config.drafter.depth, model.cfg.eos_token_ids
         )
         self.max_context = self.config.max_context or model.cfg.max_position
-        self._fingerprint = self.config.fingerprint(self._dtype_name)
+        self._fingerprint = self.config.fingerprint()
         self.engine.generate(
             [model.cfg.bos_token_id or 0], SamplingParams(max_tokens=2), self.config.params
         )
@@ -170,7 +168,7 @@ class EngineRunner:
         new = self.config.with_params(**changes)
         with self._cv:  # the worker reads config under the lock at each round start
             self.config = new
-            self._fingerprint = new.fingerprint(self._dtype_name)
+            self._fingerprint = new.fingerprint()
         log.info("live params now %s (%s)", new.params.model_dump(), self._fingerprint)
         return new
 

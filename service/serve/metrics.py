@@ -73,6 +73,16 @@ class ReplicaMetrics:
                 "top_k",
             ),
         )
+        self.reconfigurations = metrics.Counter(
+            "ddserve_reconfigurations",
+            description="Reconfigurations applied to this replica, by result.",
+            tag_keys=("result",),
+        )
+        self.reconfigure_seconds = metrics.Histogram(
+            "ddserve_reconfigure_duration_seconds",
+            description="Time to apply and verify a live reconfiguration on this replica.",
+            boundaries=LATENCY_BUCKETS,
+        )
         self._inflight = 0
         self._config_tags: dict | None = None
 
@@ -90,6 +100,10 @@ class ReplicaMetrics:
             self.config_info.set(0.0, tags=self._config_tags)
         self.config_info.set(1.0, tags=tags)
         self._config_tags = tags
+
+    def reconfigured(self, ok: bool, seconds: float) -> None:
+        self.reconfigurations.inc(tags={"result": "applied" if ok else "failed"})
+        self.reconfigure_seconds.observe(seconds)
 
     def refresh(self) -> None:
         """Re-set the gauges. Ray drops a gauge sample that is not refreshed within two

@@ -25,11 +25,13 @@ import ray
 from ray import serve
 
 from service.deploy_config import Autoscaling, ServeConfig
+from service.engine.sampling import SamplingParams
 from service.engine_process import EngineProcess
-from service.errors import EngineUnavailable
+from service.errors import DDServeError, EngineError, EngineUnavailable
 from service.serve.engine_client import RemoteBackend
 from service.serve.metrics import MeteredBackend, ReplicaMetrics
 from service.server.app import create_app
+from service.server.text import encode
 
 log = logging.getLogger(__name__)
 
@@ -83,11 +85,13 @@ class EngineReplica:
                 ReplicaMetrics(),
             )
             await self.backend.refresh()
-        except BaseException:
+        except BaseException as exc:
             self.engine.stop()
+            self.attempt, self.verified_at, self.healthy_at = "", 0.0, 0.0
+            self._publish("FAILED", f"engine start: {getattr(exc, 'message', exc)}")
             raise
         self.healthy_at = time.time()
-        self._publish("RUNNING")
+        self.attempt, self.verified_at = "", 0.0
         self._watchdog = asyncio.get_running_loop().create_task(self._watch_engine())
         log.info(
             "replica %s ready: engine pid %s at %s, fingerprint %s",
@@ -97,8 +101,47 @@ class EngineReplica:
             self.backend.fingerprint,
         )
 
+    async def reconfigure(self, user_config: dict) -> None:
+        """Serve calls this after __init__ and on every user_config change (a live
+        reconfiguration): apply the live parameters to the engine, then prove them with a
+        real generation that must return the new fingerprint. Raising fails the rollout."""
+        t0 = time.monotonic()
+        attempt = user_config.get("attempt", "")
+        params = user_config.get("params") or self.backend.params.model_dump()
+        try:
+            expected = self.cfg.engine.with_params(**params).fingerprint()
+            if params != self.backend.params.model_dump():
+                await self.backend.update_params(params)
+            fingerprint = await self._probe()
+            if fingerprint != expected:
+                raise EngineError(
+                    f"engine answers with fingerprint {fingerprint}, expected {expected}"
+                )
+        except DDServeError as exc:
+            self.backend.m.reconfigured(False, time.monotonic() - t0)
+            self._publish("FAILED", f"reconfigure {attempt}: {exc.message}")
+            raise
+        self.attempt, self.verified_at = attempt, time.time()
+        self.backend.m.reconfigured(True, time.monotonic() - t0)
+        self._publish("RUNNING")
+
+    async def _probe(self) -> str:
+        """A real one-token generation on this replica's engine; returns its fingerprint."""
+        prompt = encode(self.backend.tokenizer, "Hello") or [0]
+        fp, n = "", 0
+        async for d in self.backend.inner.stream(
+            prompt, SamplingParams(max_tokens=1, ignore_eos=True)
+        ):
+            fp = d.fingerprint
+            n += len(d.token_ids) or (d.stats.completion_tokens if d.stats else 0)
+        if n < 1:
+            raise EngineError("the verification generation returned no token")
+        return fp
+
     def __serve_build_asgi_app__(self):
-        app = create_app(self.backend, admin_token=self.cfg.admin_token, title="ddserve")
+        app = create_app(
+            self.backend, admin_token=self.cfg.admin_token, title="ddserve", admin_enabled=False
+        )
         replica = self.replica_id
 
         @app.middleware("http")
@@ -125,6 +168,8 @@ class EngineReplica:
                 "engine_pid": self.engine.pid,
                 "fingerprint": b.fingerprint if b else "",
                 "params": b.params.model_dump() if b else {},
+                "attempt": getattr(self, "attempt", ""),
+                "verified_at": getattr(self, "verified_at", 0.0),
                 "updated": time.time(),
                 "healthy_at": self.healthy_at,
             },
@@ -186,6 +231,10 @@ def deployment_options(cfg: ServeConfig) -> dict:
         "health_check_timeout_s": cfg.health.timeout_s + 10,
         "graceful_shutdown_timeout_s": 120,
         "graceful_shutdown_wait_loop_s": 1,
+        # rollouts: a quarter of the replicas at a time (at least one), and a restarted
+        # replica's successor starts before it stops, so capacity never drops below target
+        "rolling_update_percentage": 0.25,
+        "max_surge_percent": 25,
     }
     if gpus:
         # one bundle holding the replica and all its engine's GPUs, on one node
@@ -203,10 +252,15 @@ def deployment_options(cfg: ServeConfig) -> dict:
     return opts
 
 
-def build_app(cfg: ServeConfig):
-    """Config -> Serve application (only serializable data crosses into the replicas)."""
+def build_app(cfg: ServeConfig, attempt: str = "deploy", params: dict | None = None):
+    """Config -> Serve application (only serializable data crosses into the replicas).
+
+    The live parameters travel twice: in the init config (what a new engine starts with)
+    and as `user_config` (what `reconfigure` applies in place). A change of user_config
+    alone is a live reconfiguration; any change of the init config restarts replicas."""
+    user_config = {"params": params or cfg.engine.params.model_dump(), "attempt": attempt}
     return (
         serve.deployment(EngineReplica)
-        .options(**deployment_options(cfg))
+        .options(**deployment_options(cfg), user_config=user_config)
         .bind(cfg.model_dump(mode="json"))
     )

@@ -25,6 +25,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from service.errors import (
     ConfigError,
+    Conflict,
     DDServeError,
     EngineUnavailable,
     InvalidRequest,
@@ -58,7 +59,11 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
 
 
 def create_app(
-    backend, *, admin_token: str | None = None, title: str = "ddserve engine"
+    backend,
+    *,
+    admin_token: str | None = None,
+    title: str = "ddserve engine",
+    admin_enabled: bool = True,
 ) -> FastAPI:
     """The OpenAI API over any backend (service.server.backend: the contract)."""
     app = FastAPI(title=title, docs_url=None, redoc_url=None)
@@ -322,6 +327,10 @@ def create_app(
 
     @app.post("/admin/params")
     async def admin_params(request: Request):
+        if not admin_enabled:
+            raise Conflict(
+                "this is one replica of many: change parameters with `ddserve reconfig set`, which rolls them out to every replica and verifies each"
+            )
         if (
             admin_token is not None
             and request.headers.get("authorization") != f"Bearer {admin_token}"

@@ -1,0 +1,1 @@
+"""The reconfiguration controller: desired config -> validate -> plan -> apply -> verify -> record."""

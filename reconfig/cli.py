@@ -1,0 +1,180 @@
+"""`ddserve reconfig set|show|history|rollback|status`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from service.errors import ConfigError, Unauthorized
+
+FIELDS_HELP = "budget, topk, window, temperature, top_p, top_k (live parameters) or any engine field as a dotted path (e.g. drafter.depth)"
+
+
+def add_parsers(sub, default_config: str) -> None:
+    r = sub.add_parser(
+        "reconfig",
+        help="change the serving config safely: plan, roll out, verify by real generation, roll back on failure",
+    )
+    rs = r.add_subparsers(dest="reconfig_command", required=True)
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument(
+        "--config", default=default_config, help="the deploy YAML the application was started from"
+    )
+    common.add_argument("--target", default="ray", choices=["ray"], help="what to reconfigure")
+    common.add_argument("--address", default=None, help="Ray cluster address")
+    s = rs.add_parser("set", parents=[common], help=f"FIELD=VALUE ...: {FIELDS_HELP}")
+    s.add_argument("assignments", nargs="+", metavar="FIELD=VALUE")
+    s.add_argument("--dry-run", action="store_true", help="print the plan and stop")
+    s.add_argument(
+        "--deadline",
+        type=float,
+        default=300.0,
+        help="seconds for the rollout to verify before it is rolled back",
+    )
+    rs.add_parser("show", parents=[common], help="the config in force")
+    h = rs.add_parser("history", parents=[common], help="every attempt")
+    h.add_argument("--json", action="store_true")
+    rb = rs.add_parser(
+        "rollback",
+        parents=[common],
+        help="re-apply the config in force before attempt ID (default: the last success)",
+    )
+    rb.add_argument("id", nargs="?")
+    rb.add_argument("--deadline", type=float, default=300.0)
+    rs.add_parser(
+        "status",
+        parents=[common],
+        help="config in force, replicas and their fingerprints, last attempt",
+    )
+
+
+def _target(a):
+    from reconfig.history import History
+    from reconfig.ray_target import RayTarget
+    from service.deploy_config import load_config
+
+    cfg = load_config(a.config)
+    history = History(f"{a.target}-{cfg.name}")
+    return RayTarget(cfg, history), history
+
+
+def _connect(a) -> None:
+    from service.cli_serve import _connect
+
+    _connect(a.address, start=False)
+
+
+def _check_admin(target) -> None:
+    from reconfig.ray_target import token_digest
+
+    if target.admin_sha and token_digest(os.environ.get("DDSERVE_ADMIN_TOKEN")) != target.admin_sha:
+        raise Unauthorized(
+            "changing the config needs the admin token the application was deployed with (env DDSERVE_ADMIN_TOKEN)"
+        )
+
+
+def dispatch(a) -> int:
+    from reconfig.controller import Controller
+    from reconfig.plan import desired_config, parse_assignments
+
+    target, history = _target(a)
+    cmd = a.reconfig_command
+    if cmd == "show":
+        cfg = target.current_config()
+        print(
+            json.dumps(
+                {"fingerprint": cfg.fingerprint(), "engine": cfg.model_dump(mode="json")}, indent=1
+            )
+        )
+        return 0
+    if cmd == "history":
+        records = history.records()
+        if a.json:
+            print(json.dumps(records, indent=1))
+            return 0
+        print(
+            f"{'id':14s} {'started':25s} {'user':10s} {'action':8s} {'plan':8s} {'from':14s} {'to':14s} {'outcome':16s} {'total s':>7s}  error"
+        )
+        for r in records:
+            print(
+                f"{r['id']:14s} {r['started']:25s} {r['user']:10s} {r['action']:8s} {r['plan']['strategy']:8s} {r['from_fingerprint']:14s} {r['to_fingerprint']:14s} {r['outcome']:16s} {r.get('total_s', 0):7.1f}  {r.get('error', '')}"
+            )
+        return 0
+    if cmd == "status":
+        _connect(a)
+        cfg = target.current_config()
+        replicas = target.observe()
+        last = history.records()[-1] if history.records() else None
+        print(f"config in force: {cfg.fingerprint()} {json.dumps(cfg.params.model_dump())}")
+        for r in replicas:
+            mark = (
+                "ok"
+                if r["fingerprint"] == cfg.fingerprint() and r["state"] == "RUNNING"
+                else "MISMATCH"
+                if r["state"] == "RUNNING"
+                else r["state"]
+            )
+            print(f"  replica {r['replica']:10s} {r['state']:9s} {r['fingerprint']:14s} {mark}")
+        if last:
+            print(
+                f"last attempt: {last['id']} {last['outcome']} ({last['plan']['strategy']}, {last.get('total_s', 0)}s){' - ' + last['error'] if last.get('error') else ''}"
+            )
+        mixed = {r["fingerprint"] for r in replicas if r["state"] == "RUNNING"} - {
+            cfg.fingerprint()
+        }
+        return 1 if mixed else 0
+    controller = Controller(target, history, progress=lambda line: print(line, flush=True))
+    if cmd == "set":
+        current = target.current_config()
+        desired = desired_config(current, parse_assignments(a.assignments))  # validate first
+        if not a.dry_run:
+            _check_admin(target)
+            _connect(a)
+        record = controller.apply(current, desired, dry_run=a.dry_run, deadline_s=a.deadline)
+    elif cmd == "rollback":
+        _check_admin(target)
+        records = history.records()
+        if not records:
+            raise ConfigError("no reconfiguration recorded yet")
+        src = (
+            history.get(a.id)
+            if a.id
+            else next((r for r in reversed(records) if r["outcome"] == "succeeded"), None)
+        )
+        if src is None:
+            raise ConfigError("no successful reconfiguration to roll back")
+        from service.config import EngineConfig
+
+        _connect(a)
+        record = controller.apply(
+            target.current_config(),
+            EngineConfig.model_validate(src["from"]),
+            deadline_s=a.deadline,
+            action=f"rollback:{src['id']}",
+        )
+    else:
+        raise ConfigError(f"unknown reconfig command {cmd}")
+    return _report(record)
+
+
+def _report(record: dict) -> int:
+    outcome = record.get("outcome")
+    if outcome in ("dry-run", "unchanged"):
+        return 0
+    if outcome == "succeeded":
+        print(
+            f"{record['id']}: succeeded in {record['total_s']:.1f}s; now serving {record['to_fingerprint']}"
+        )
+        return 0
+    print(
+        f"ddserve: error: {record['id']} {outcome}: {record.get('error')}"
+        + (
+            f"; rollback failed: {record['rollback_error']}"
+            if outcome == "rollback_failed"
+            else f"; {record['from_fingerprint']} serves again"
+        ),
+        file=sys.stderr,
+    )
+    return 1

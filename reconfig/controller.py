@@ -1,0 +1,117 @@
+"""The reconfiguration controller: desired config -> validate -> plan -> apply -> verify -> record.
+
+The same controller drives every target (a Ray Serve application, a bare engine under a
+supervisor such as systemd). A target provides:
+    current_config() -> EngineConfig      the config in force
+    apply(desired, plan, attempt, deadline_s, progress) -> per-replica results
+                                          (raises RolloutFailed with the reason)
+A failed apply is rolled back by applying the previous config the same way (verified the
+same way). Every attempt is recorded, whatever its outcome.
+"""
+
+from __future__ import annotations
+
+import getpass
+import time
+from collections.abc import Callable
+from datetime import UTC, datetime
+
+from reconfig.history import History
+from reconfig.plan import Plan, desired_config, plan
+from reconfig.ray_target import RolloutFailed
+from service.config import EngineConfig
+
+
+def describe_plan(p: Plan) -> list[str]:
+    if not p.changes:
+        return ["nothing to change: the desired config is the one in force"]
+    lines = [f"plan: {p.strategy}"]
+    for c in p.changes:
+        lines.append(f"  {c.field}: {c.old!r} -> {c.new!r}  ({c.strategy})")
+    return lines
+
+
+class Controller:
+    def __init__(self, target, history: History, progress: Callable[[str], None] = print):
+        self.target = target
+        self.history = history
+        self.progress = progress
+
+    def reconfigure(
+        self,
+        changes: dict,
+        *,
+        dry_run: bool = False,
+        deadline_s: float = 300.0,
+        action: str = "set",
+    ) -> dict:
+        current = self.target.current_config()
+        desired = desired_config(current, changes)  # ConfigError: nothing is touched
+        return self.apply(current, desired, dry_run=dry_run, deadline_s=deadline_s, action=action)
+
+    def apply(
+        self,
+        current: EngineConfig,
+        desired: EngineConfig,
+        *,
+        dry_run: bool = False,
+        deadline_s: float = 300.0,
+        action: str = "set",
+    ) -> dict:
+        p = plan(current, desired)
+        for line in describe_plan(p):
+            self.progress(line)
+        if dry_run or p.strategy == "none":
+            return {"outcome": "dry-run" if dry_run else "unchanged", "plan": p.to_dict()}
+        attempt = self.history.next_id()
+        record = {
+            "id": attempt,
+            "action": action,
+            "target": self.target.name,
+            "user": _user(),
+            "started": datetime.now(UTC).isoformat(timespec="seconds"),
+            "from": current.model_dump(mode="json"),
+            "to": desired.model_dump(mode="json"),
+            "from_fingerprint": current.fingerprint(),
+            "to_fingerprint": desired.fingerprint(),
+            "plan": p.to_dict(),
+        }
+        self.progress(
+            f"{attempt}: applying ({p.strategy}) {current.fingerprint()} -> {desired.fingerprint()}"
+        )
+        t0 = time.monotonic()
+        try:
+            record["replicas"] = self.target.apply(desired, p, attempt, deadline_s, self.progress)
+            record["outcome"] = "succeeded"
+        except RolloutFailed as exc:
+            record["error"] = exc.message
+            record["replicas"] = exc.replicas
+            record["apply_s"] = round(time.monotonic() - t0, 2)
+            self.progress(
+                f"{attempt}: FAILED: {exc.message}; rolling back to {current.fingerprint()}"
+            )
+            t1 = time.monotonic()
+            try:
+                self.target.apply(
+                    current,
+                    plan(desired, current),
+                    f"{attempt}-rollback",
+                    deadline_s,
+                    self.progress,
+                )
+                record["outcome"] = "rolled_back"
+            except RolloutFailed as exc2:
+                record["outcome"] = "rollback_failed"
+                record["rollback_error"] = exc2.message
+            record["rollback_s"] = round(time.monotonic() - t1, 2)
+        record.setdefault("apply_s", round(time.monotonic() - t0, 2))
+        record["total_s"] = round(time.monotonic() - t0, 2)
+        self.history.append(record)
+        return record
+
+
+def _user() -> str:
+    try:
+        return getpass.getuser()
+    except (KeyError, OSError):
+        return "unknown"
