@@ -137,10 +137,12 @@ class RayTarget:
             status = str(app.status) if app else "MISSING"
             failures = [r for r in states if r["state"] == "FAILED" and r["updated"] >= started]
             if len(failures) >= 2:  # Serve retried the constructor and it failed again
-                raise RolloutFailed(f"new replicas fail to start: {self._last_failure(started)}", done)
+                raise RolloutFailed(
+                    f"new replicas fail to start: {self._last_failure(started)}", done
+                )
             if status.endswith("DEPLOY_FAILED"):
                 raise RolloutFailed(
-                    f"Serve reports the deployment failed: {self._last_failure(started) or app.message}",
+                    f"Serve reports the deployment failed: {self._last_failure(started) or _serve_error(app)}",
                     done,
                 )
             if done and not old and status.endswith("RUNNING"):
@@ -176,3 +178,11 @@ class RayTarget:
                 raise RolloutFailed(
                     f"a request through the proxy got HTTP {r.status_code}, fingerprint {r.json().get('system_fingerprint')!r}, expected {expected}"
                 )
+
+
+def _serve_error(app) -> str:
+    """The most telling line of Serve's status messages (the constructor's exception)."""
+    text = "\n".join([app.message or ""] + [d.message or "" for d in app.deployments.values()])
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    errors = [ln for ln in lines if "Error" in ln or "error" in ln]
+    return (errors[-1] if errors else lines[-1] if lines else "no message")[:500]

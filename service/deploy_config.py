@@ -76,6 +76,18 @@ class ServeConfig(_Frozen):
     cpus_per_replica: float = Field(
         1.0, ge=0, description="Ray CPUs reserved per replica (its engine process included)."
     )
+    rollout_surge_percent: int = Field(
+        25,
+        ge=0,
+        le=100,
+        description="Extra replicas (percent of the target, rounded up) a restart rollout may start before stopping old ones; needs spare resources. 0 = stop one, then start its successor (capacity dips by one replica).",
+    )
+    rollout_batch_percent: float = Field(
+        25.0,
+        gt=0,
+        le=100,
+        description="Replicas (percent of the target, at least one) changed at a time in a rollout.",
+    )
 
     @model_validator(mode="after")
     def _replicas(self) -> ServeConfig:

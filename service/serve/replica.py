@@ -14,6 +14,7 @@ PR_SET_PDEATHSIG, so it dies with a killed replica.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import logging
 import os
@@ -89,6 +90,7 @@ class EngineReplica:
             self.engine.stop()
             self.attempt, self.verified_at, self.healthy_at = "", 0.0, 0.0
             self._publish("FAILED", f"engine start: {getattr(exc, 'message', exc)}")
+            self._keep_record = True  # __del__ runs next; the controller needs this reason
             raise
         self.healthy_at = time.time()
         self.attempt, self.verified_at = "", 0.0
@@ -211,7 +213,7 @@ class EngineReplica:
         b = getattr(self, "backend", None)
         if b is not None:
             await b.inner.aclose()
-        if hasattr(self, "cfg"):
+        if hasattr(self, "cfg") and not getattr(self, "_keep_record", False):
             from ray.experimental import internal_kv
 
             internal_kv._internal_kv_del(
@@ -231,10 +233,10 @@ def deployment_options(cfg: ServeConfig) -> dict:
         "health_check_timeout_s": cfg.health.timeout_s + 10,
         "graceful_shutdown_timeout_s": 120,
         "graceful_shutdown_wait_loop_s": 1,
-        # rollouts: a quarter of the replicas at a time (at least one), and a restarted
-        # replica's successor starts before it stops, so capacity never drops below target
-        "rolling_update_percentage": 0.25,
-        "max_surge_percent": 25,
+        # rollouts: a bounded share of the replicas at a time (at least one); with surge, a
+        # restarted replica's successor starts before it stops (capacity never dips)
+        "rolling_update_percentage": cfg.rollout_batch_percent / 100,
+        "max_surge_percent": cfg.rollout_surge_percent,
     }
     if gpus:
         # one bundle holding the replica and all its engine's GPUs, on one node
@@ -259,8 +261,11 @@ def build_app(cfg: ServeConfig, attempt: str = "deploy", params: dict | None = N
     and as `user_config` (what `reconfigure` applies in place). A change of user_config
     alone is a live reconfiguration; any change of the init config restarts replicas."""
     user_config = {"params": params or cfg.engine.params.model_dump(), "attempt": attempt}
-    return (
-        serve.deployment(EngineReplica)
-        .options(**deployment_options(cfg), user_config=user_config)
-        .bind(cfg.model_dump(mode="json"))
-    )
+    init = cfg.model_dump(mode="json")
+    deployment = serve.deployment(EngineReplica, **deployment_options(cfg), user_config=user_config)
+    # Serve 2.60's Python API deploys every `serve.run` under a random code version (so
+    # every redeploy restarts replicas) unless the deployment carries one; the public
+    # `version=` argument is gone, so set the attribute it fed (Ray is pinned: 2.60.0).
+    # Same init config -> same version -> Serve reconfigures the replicas in place.
+    deployment._version = hashlib.sha256(json.dumps(init, sort_keys=True).encode()).hexdigest()[:16]
+    return deployment.bind(init)
