@@ -22,8 +22,26 @@ def add_parsers(sub, default_config: str) -> None:
     common.add_argument(
         "--config", default=default_config, help="the deploy YAML the application was started from"
     )
-    common.add_argument("--target", default="ray", choices=["ray"], help="what to reconfigure")
+    common.add_argument(
+        "--target",
+        default="ray",
+        choices=["ray", "engine"],
+        help="ray: the Serve application of --config; engine: one bare engine (--url, --env-file, --unit)",
+    )
     common.add_argument("--address", default=None, help="Ray cluster address")
+    common.add_argument(
+        "--url", default="http://127.0.0.1:30000", help="engine target: the engine's address"
+    )
+    common.add_argument(
+        "--env-file",
+        default="/etc/ddserve/engine.env",
+        help="engine target: the unit's EnvironmentFile",
+    )
+    common.add_argument(
+        "--unit",
+        default="ddserve-engine@default.service",
+        help="engine target: the systemd unit to restart",
+    )
     s = rs.add_parser("set", parents=[common], help=f"FIELD=VALUE ...: {FIELDS_HELP}")
     s.add_argument("assignments", nargs="+", metavar="FIELD=VALUE")
     s.add_argument("--dry-run", action="store_true", help="print the plan and stop")
@@ -55,12 +73,25 @@ def _target(a):
     from reconfig.ray_target import RayTarget
     from service.deploy_config import load_config
 
+    if a.target == "engine":
+        from reconfig.engine_target import EngineTarget, SystemdSupervisor
+
+        history = History("engine-" + a.unit.replace("@", "_").replace("/", "_"))
+        return EngineTarget(
+            a.url,
+            a.env_file,
+            SystemdSupervisor(a.unit),
+            history,
+            admin_token=os.environ.get("DDSERVE_ADMIN_TOKEN"),
+        ), history
     cfg = load_config(a.config)
     history = History(f"{a.target}-{cfg.name}")
     return RayTarget(cfg, history), history
 
 
 def _connect(a) -> None:
+    if a.target != "ray":
+        return
     from service.cli_serve import _connect
 
     _connect(a.address, start=False)
@@ -69,7 +100,10 @@ def _connect(a) -> None:
 def _check_admin(target) -> None:
     from reconfig.ray_target import token_digest
 
-    if target.admin_sha and token_digest(os.environ.get("DDSERVE_ADMIN_TOKEN")) != target.admin_sha:
+    if (
+        getattr(target, "admin_sha", "")
+        and token_digest(os.environ.get("DDSERVE_ADMIN_TOKEN")) != target.admin_sha
+    ):
         raise Unauthorized(
             "changing the config needs the admin token the application was deployed with (env DDSERVE_ADMIN_TOKEN)"
         )

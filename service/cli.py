@@ -50,6 +50,11 @@ ENGINE_FLAGS = {
 }
 
 
+def env_name(flag: str) -> str:
+    """--top-p -> DDSERVE_TOP_P: the environment variable an engine flag falls back to."""
+    return "DDSERVE_" + flag.lstrip("-").replace("-", "_").upper()
+
+
 def _engine_parser(sub) -> None:
     p = sub.add_parser("engine", help="run one builtin DDTree engine server (FastAPI + uvicorn)")
     p.add_argument("--host", default="127.0.0.1")
@@ -84,8 +89,14 @@ def engine_config_from_args(a: argparse.Namespace):
             base = json.loads(a.config_json)
         except ValueError as exc:
             raise ConfigError(f"--config-json is not valid JSON: {exc}") from exc
-    for flag, (path, _, _) in ENGINE_FLAGS.items():
+    for flag, (path, typ, _) in ENGINE_FLAGS.items():
         value = getattr(a, flag.lstrip("-").replace("-", "_"))
+        env = os.environ.get(env_name(flag))
+        if value is None and env not in (None, ""):
+            try:
+                value = typ(env)  # a unit's EnvironmentFile sets DDSERVE_BUDGET=... and so on
+            except ValueError as exc:
+                raise ConfigError(f"{env_name(flag)}={env!r}: not a valid {typ.__name__}") from exc
         if value is not None:
             *parents, leaf = path.split(".")
             node = base

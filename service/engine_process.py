@@ -61,14 +61,17 @@ def engine_command(cfg: EngineConfig, host: str, port: int) -> list[str]:
 class EngineProcess:
     def __init__(
         self,
-        cfg: EngineConfig,
+        cfg: EngineConfig | None,
         *,
         host: str = "127.0.0.1",
         port: int | None = None,
         admin_token: str | None = None,
         log_path: str | Path | None = None,
         env: dict | None = None,
+        command: list[str] | None = None,
     ):
+        """`command` replaces the one built from `cfg` (a supervisor that configures the
+        engine through its environment, as a systemd unit does)."""
         self.cfg = cfg
         self.host = host
         self.port = port or free_port(host)
@@ -76,6 +79,7 @@ class EngineProcess:
         self.admin_token = admin_token
         self.log_path = Path(log_path) if log_path else None
         self.env = env
+        self.command = command
         self.proc: subprocess.Popen | None = None
 
     @property
@@ -90,7 +94,7 @@ class EngineProcess:
         if self.admin_token:
             env["DDSERVE_ADMIN_TOKEN"] = self.admin_token
         out = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
-        cmd = engine_command(self.cfg, self.host, self.port)
+        cmd = self.command or engine_command(self.cfg, self.host, self.port)
         log.info("starting engine: %s", " ".join(cmd[:4]) + " ...")
         try:
             self.proc = subprocess.Popen(
