@@ -127,6 +127,15 @@ class EngineTarget:
         r = httpx.get(self.url + "/server_info", timeout=10)
         return EngineConfig.model_validate(r.json()["config"])
 
+    def observe(self) -> list[dict]:
+        try:
+            info = httpx.get(self.url + "/server_info", timeout=10).json()
+            return [
+                {"replica": self.url, "state": "RUNNING", "fingerprint": info["system_fingerprint"]}
+            ]
+        except (httpx.HTTPError, ValueError, KeyError):
+            return [{"replica": self.url, "state": "UNREACHABLE", "fingerprint": ""}]
+
     def apply(
         self,
         desired: EngineConfig,
