@@ -177,6 +177,9 @@ def main(argv: list[str] | None = None) -> int:
     from reconfig import cli as reconfig_cli
 
     reconfig_cli.add_parsers(sub, cli_serve.DEFAULT_CONFIG)
+    from systemd import cli as systemd_cli
+
+    systemd_cli.add_parsers(sub, cli_serve.DEFAULT_CONFIG)
     a = parser.parse_args(argv)
     logging.basicConfig(
         level=getattr(a, "log_level", "warning").upper(),
@@ -189,6 +192,8 @@ def main(argv: list[str] | None = None) -> int:
             run_chat(a)
         elif a.command == "reconfig":
             return reconfig_cli.dispatch(a)
+        elif a.command == "systemd":
+            return systemd_cli.dispatch(a)
         else:
             return cli_serve.dispatch(a)
     except DDServeError as exc:

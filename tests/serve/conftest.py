@@ -40,15 +40,24 @@ def ray_cluster():
 
 
 @pytest.fixture(scope="session")
-def serve_app(ray_cluster):
+def serve_port(ray_cluster):
+    """Serve's HTTP proxy port: set once per cluster (Serve ignores later http_options)."""
+    from ray import serve
+
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    return port
+
+
+@pytest.fixture(scope="session")
+def serve_app(ray_cluster, serve_port):
     """Deployed once for the session; returns (base url, ServeConfig)."""
     from ray import serve
 
     from service.deploy_config import ServeConfig
     from service.serve.replica import build_app
 
-    port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    port = serve_port
     cfg = ServeConfig.model_validate(
         {
             "name": "ddtest",

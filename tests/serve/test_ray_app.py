@@ -5,7 +5,6 @@ import concurrent.futures as cf
 import json
 import os
 import shutil
-import subprocess
 import time
 from pathlib import Path
 
@@ -15,7 +14,7 @@ import pytest
 
 from service.cli_serve import replica_states
 from tests.serve.conftest import MODEL
-from tests.server.conftest import free_port
+from tests.serve.prom import prometheus, query
 
 pytestmark = pytest.mark.slow
 
@@ -114,49 +113,14 @@ PROM_QUERIES = {
 )
 def test_real_prometheus_scrapes_metrics_per_replica(serve_app, tmp_path):
     url, _ = serve_app
-    sd = Path("/tmp/ray/session_latest/prom_metrics_service_discovery.json")
-    assert sd.exists()
-    conf = (Path(__file__).parents[2] / "deploy" / "prometheus.yml").read_text()
-    conf = (
-        conf.replace("scrape_interval: 5s", "scrape_interval: 1s")
-        .replace("refresh_interval: 5s", "refresh_interval: 1s")
-        .replace("/tmp/ray/prom_metrics_service_discovery.json", str(sd))
-    )
-    (tmp_path / "prometheus.yml").write_text(conf)
-    assert (
-        subprocess.run(
-            ["promtool", "check", "config", str(tmp_path / "prometheus.yml")], capture_output=True
-        ).returncode
-        == 0
-    )
-    port = free_port()
-    prom = subprocess.Popen(
-        [
-            "prometheus",
-            f"--config.file={tmp_path / 'prometheus.yml'}",
-            f"--storage.tsdb.path={tmp_path / 'data'}",
-            f"--web.listen-address=127.0.0.1:{port}",
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    try:
+    with prometheus(tmp_path) as prom:
         c = client(url)
         deadline = time.time() + 90
         results = {}
         while time.time() < deadline:
             for _ in range(4):
                 chat_raw(c, temperature=0, max_tokens=16)
-            try:
-                results = {
-                    k: httpx.get(
-                        f"http://127.0.0.1:{port}/api/v1/query", params={"query": q}, timeout=5
-                    ).json()["data"]["result"]
-                    for k, q in PROM_QUERIES.items()
-                }
-            except httpx.HTTPError:
-                time.sleep(1)
-                continue
+            results = {k: query(prom, q) for k, q in PROM_QUERIES.items()}
             if all(
                 len(v) >= 2 and all(float(x["value"][1]) > 0 for x in v) for v in results.values()
             ):
@@ -166,9 +130,6 @@ def test_real_prometheus_scrapes_metrics_per_replica(serve_app, tmp_path):
             assert len(series) >= 2, (name, series)  # one series per replica
             assert all(float(s["value"][1]) > 0 for s in series), (name, series)
             assert all(s["metric"].get("replica") for s in series)
-    finally:
-        prom.terminate()
-        prom.wait(10)
 
 
 def _stream_one(url, i):

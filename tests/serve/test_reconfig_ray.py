@@ -2,13 +2,16 @@
 raylet), under continuous load from concurrent clients, streaming and not."""
 
 import os
+import shutil
 import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
+import yaml
 
 from reconfig.controller import Controller
 from reconfig.history import History
@@ -16,13 +19,13 @@ from reconfig.ray_target import RayTarget
 from service.cli_serve import replica_states
 from service.errors import ConfigError
 from tests.serve.conftest import MODEL
-from tests.server.conftest import free_port
+from tests.serve.prom import prometheus, query
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def app(ray_cluster, tmp_path_factory):
+def app(ray_cluster, serve_port, tmp_path_factory):
     from ray import serve
 
     from service.deploy_config import ServeConfig
@@ -30,8 +33,7 @@ def app(ray_cluster, tmp_path_factory):
 
     for name in list(serve.status().applications):
         serve.delete(name)  # the module before may have left its app on "/"
-    port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    port = serve_port
     cfg = ServeConfig.model_validate(
         {
             "name": "ddreconf",
@@ -230,3 +232,50 @@ def test_cli_history_and_rollback(app, tmp_path):
     assert st.returncode == 0 and "MISMATCH" not in st.stdout
     bad = run("set", "budget=-4")
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "params.budget=-4" in bad.stderr
+
+
+@pytest.mark.skipif(
+    shutil.which("prometheus") is None,
+    reason="Debian package prometheus is not installed (deploy/install.sh installs it)",
+)
+def test_every_dashboard_panel_query_is_valid_and_returns_data(app, tmp_path):
+    """Grafana itself is not installable here: its dashboard's queries run against a real
+    Prometheus scraping the running application instead."""
+    from dashboards.ddserve_dashboard import panel_queries, to_json
+    from dashboards.render_png import grafana_to_promql, render
+
+    url, cfg, _, _ = app
+    committed = (Path(__file__).parents[2] / "dashboards" / "ddserve.json").read_text()
+    assert committed == to_json(), (
+        "dashboards/ddserve.json is stale: run python -m dashboards.ddserve_dashboard"
+    )
+    queries = [(title, grafana_to_promql(expr)) for title, expr in panel_queries()]
+    rules = tmp_path / "rules.yml"
+    rules.write_text(
+        yaml.safe_dump(
+            {
+                "groups": [
+                    {
+                        "name": "panels",
+                        "rules": [
+                            {"record": f"panel_{i}", "expr": q} for i, (_, q) in enumerate(queries)
+                        ],
+                    }
+                ]
+            }
+        )
+    )
+    check = subprocess.run(
+        ["promtool", "check", "rules", str(rules)], capture_output=True, text=True
+    )
+    assert check.returncode == 0, check.stdout + check.stderr
+    with prometheus(tmp_path) as prom, Load(url, n=2):
+        deadline = time.time() + 120
+        empty = queries
+        while time.time() < deadline and empty:
+            time.sleep(2)
+            empty = [(t, q) for t, q in empty if not query(prom, q)]
+        assert not empty, f"panels without data: {empty}"
+        out = os.environ.get("DDSERVE_DASHBOARD_PNG") or str(tmp_path / "dashboard.png")
+        render(prom, out, minutes=2)
+        assert Path(out).stat().st_size > 10_000

@@ -1,0 +1,1 @@
+"""Grafana dashboards, generated from code (grafanalib); the JSON is committed."""

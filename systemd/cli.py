@@ -1,0 +1,137 @@
+"""`ddserve systemd render|install|uninstall|status|logs`."""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import subprocess
+from pathlib import Path
+
+import httpx
+
+from service.errors import ConfigError
+from systemd.units import UnitOptions, render, write_tree
+
+UNIT_DIR = "etc/systemd/system"
+
+
+def add_parsers(sub, default_config: str) -> None:
+    s = sub.add_parser("systemd", help="render, install and check systemd units")
+    ss = s.add_subparsers(dest="systemd_command", required=True)
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--config", default=default_config)
+    common.add_argument(
+        "--engine-name", default="default", help="instance NAME of ddserve-engine@NAME"
+    )
+    common.add_argument("--engine-port", type=int, default=30000)
+    common.add_argument(
+        "--root", default="/", help="install under this root (for images and tests)"
+    )
+    r = ss.add_parser("render", parents=[common], help="write units and env files into --out")
+    r.add_argument("--out", required=True)
+    r.add_argument("--gpu", action="store_true", help="allow the NVIDIA device nodes")
+    r.add_argument("--stop-timeout", type=int, default=120)
+    i = ss.add_parser(
+        "install", parents=[common], help="install units + env files, daemon-reload, enable"
+    )
+    i.add_argument("--gpu", action="store_true")
+    i.add_argument("--stop-timeout", type=int, default=120)
+    i.add_argument("--start", action="store_true", help="also start ddserve-engine@NAME now")
+    i.add_argument(
+        "--force-env",
+        action="store_true",
+        help="overwrite an existing engine env file (reconfig writes it)",
+    )
+    ss.add_parser("uninstall", parents=[common], help="stop, disable and remove the units")
+    ss.add_parser(
+        "status",
+        parents=[common],
+        help="unit states and the engine's real readiness (a real generation)",
+    )
+    lg = ss.add_parser("logs", parents=[common], help="the engine unit's journal")
+    lg.add_argument("-n", type=int, default=50)
+
+
+def _systemctl(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["systemctl", *args], capture_output=True, text=True)
+
+
+def dispatch(a) -> int:
+    from service.deploy_config import load_config
+
+    cfg = load_config(a.config)
+    unit = f"ddserve-engine@{a.engine_name}.service"
+    cmd = a.systemd_command
+    if cmd in ("render", "install"):
+        opts = UnitOptions(
+            config_path=str(Path(a.root, "etc/ddserve/ddserve.yaml"))
+            if a.root != "/"
+            else "/etc/ddserve/ddserve.yaml",
+            stop_timeout_s=a.stop_timeout,
+            gpu=a.gpu,
+        )
+        files = render(cfg, opts, engine_name=a.engine_name, engine_port=a.engine_port)
+        if cmd == "render":
+            write_tree(files, Path(a.out))
+            print(f"wrote {len(files)} files under {a.out}")
+            return 0
+        root = Path(a.root)
+        unit_dir, env_dir = root / UNIT_DIR, root / "etc/ddserve"
+        unit_dir.mkdir(parents=True, exist_ok=True)
+        env_dir.mkdir(parents=True, exist_ok=True)
+        for rel, text in files.items():
+            kind, name = rel.split("/", 1)
+            dest = (unit_dir if kind == "units" else env_dir) / name
+            if kind == "env" and dest.exists() and not a.force_env:
+                print(f"kept {dest} (exists; --force-env overwrites)")
+                continue
+            tmp = dest.with_name(dest.name + ".tmp")
+            tmp.write_text(text)
+            tmp.replace(dest)
+        shutil.copyfile(a.config, env_dir / "ddserve.yaml")
+        if a.root == "/":
+            for step in (("daemon-reload",), ("enable", unit)):
+                r = _systemctl(*step)
+                if r.returncode != 0:
+                    raise ConfigError(
+                        f"systemctl {' '.join(step)} failed: {r.stderr.strip()[-300:]}"
+                    )
+            if a.start:
+                r = _systemctl("start", unit)
+                if r.returncode != 0:
+                    raise ConfigError(f"systemctl start {unit} failed: {r.stderr.strip()[-300:]}")
+        print(f"installed {unit} and the Ray/app units under {root}")
+        return 0
+    if cmd == "uninstall":
+        _systemctl("disable", "--now", unit)
+        for name in (
+            "ddserve-engine@.service",
+            "ddserve-ray-head.service",
+            "ddserve-ray-worker.service",
+            "ddserve-app.service",
+        ):
+            (Path(a.root) / UNIT_DIR / name).unlink(missing_ok=True)
+        _systemctl("daemon-reload")
+        print(f"removed the ddserve units (env files in {Path(a.root) / 'etc/ddserve'} kept)")
+        return 0
+    if cmd == "status":
+        state = _systemctl("is-active", unit).stdout.strip() or "unknown"
+        url = f"http://127.0.0.1:{a.engine_port}"
+        try:
+            r = httpx.post(
+                url + "/generate",
+                json={"text": "Hello", "sampling_params": {"max_new_tokens": 2}},
+                timeout=120,
+            )
+            ready = (
+                f"ready (real generation ok, fingerprint {r.json()['system_fingerprint']})"
+                if r.status_code == 200
+                else f"NOT ready (HTTP {r.status_code})"
+            )
+        except httpx.HTTPError as exc:
+            ready = f"NOT ready ({type(exc).__name__})"
+        print(f"{unit}: {state}; {ready}")
+        return 0 if state == "active" and ready.startswith("ready") else 1
+    if cmd == "logs":
+        return subprocess.run(["journalctl", "-u", unit, "-n", str(a.n), "--no-pager"]).returncode
+    raise ConfigError(f"unknown systemd command {cmd}")

@@ -1,0 +1,257 @@
+"""Render systemd units from a ddserve config.
+
+  ddserve-ray-head.service      Ray head node (`ray start --head --block`)
+  ddserve-ray-worker.service    a Ray worker node joining DDSERVE_RAY_HEAD (from its env file)
+  ddserve-app.service           deploys/updates the Serve application once the head is up;
+                                `systemctl reload` re-applies the config
+  ddserve-engine@.service       one standalone builtin engine per instance NAME, configured by
+                                /etc/ddserve/engine-NAME.env (DDSERVE_BUDGET=... and so on):
+                                the single-box deployment `ddserve reconfig --target engine` drives
+
+Hardening (measured with `systemd-analyze security --offline=true`, see README): dynamic
+users, read-only system, private /tmp, no new privileges, no capabilities, kernel and
+control-group protection, native syscalls of @system-service minus @privileged (denied with
+EPERM rather than a kill: torch probes optional calls), device access closed except the
+NVIDIA device nodes a GPU engine needs (`DeviceAllow=`). Left off on purpose:
+MemoryDenyWriteExecute (CUDA and torch JIT need writable+executable memory), PrivateDevices
+(it would hide /dev/nvidia*) and ProcSubset=pid (torch reads /proc/cpuinfo).
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import shutil
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from reconfig.engine_target import env_file_text
+from service.config import EngineConfig
+from service.deploy_config import ServeConfig
+from service.errors import ConfigError
+
+GPU_DEVICES = [
+    "/dev/nvidiactl rw",
+    "/dev/nvidia-uvm rw",
+    "/dev/nvidia-uvm-tools rw",
+    "/dev/nvidia-modeset rw",
+    "char-nvidia-frontend rw",
+    "char-nvidia-caps rw",
+]
+
+
+@dataclass(frozen=True)
+class UnitOptions:
+    python: str = sys.executable
+    workdir: str = str(Path(__file__).resolve().parents[1])
+    config_path: str = "/etc/ddserve/ddserve.yaml"
+    env_dir: str = "/etc/ddserve"
+    ray_port: int = 6379
+    stop_timeout_s: int = 120
+    restart_sec: int = 2
+    gpu: bool = False
+
+    def check(self) -> None:
+        for name in ("python", "workdir", "config_path", "env_dir"):
+            value = getattr(self, name)
+            if not os.path.isabs(value):
+                raise ConfigError(f"{name}={value!r}: must be an absolute path")
+            if any(c.isspace() for c in value) or any(c in value for c in "\"'\\$%;"):
+                raise ConfigError(
+                    f"{name}={value!r}: a path in a unit must not contain spaces, quotes, '$', '%', ';' or backslashes"
+                )
+        if self.stop_timeout_s <= 0:
+            raise ConfigError(
+                f"stop_timeout_s={self.stop_timeout_s}: must be a positive number of seconds"
+            )
+        if self.restart_sec < 0:
+            raise ConfigError(f"restart_sec={self.restart_sec}: must be >= 0")
+
+
+def _hardening(opts: UnitOptions) -> str:
+    # the interpreter or the code under /root or /home must stay readable
+    home = (
+        "read-only"
+        if any(p.startswith(("/root", "/home")) for p in (opts.python, opts.workdir))
+        else "yes"
+    )
+    lines = [
+        "DynamicUser=yes",
+        "NoNewPrivileges=yes",
+        "ProtectSystem=strict",
+        f"ProtectHome={home}",
+        "PrivateTmp=yes",
+        "ProtectKernelTunables=yes",
+        "ProtectKernelModules=yes",
+        "ProtectKernelLogs=yes",
+        "ProtectControlGroups=yes",
+        "ProtectClock=yes",
+        "ProtectHostname=yes",
+        "ProtectProc=invisible",
+        "RestrictNamespaces=yes",
+        "RestrictRealtime=yes",
+        "RestrictSUIDSGID=yes",
+        "LockPersonality=yes",
+        "RemoveIPC=yes",
+        "CapabilityBoundingSet=",
+        "AmbientCapabilities=",
+        "SystemCallArchitectures=native",
+        "SystemCallFilter=@system-service",
+        "SystemCallFilter=~@privileged",
+        "SystemCallErrorNumber=EPERM",
+        "RestrictAddressFamilies=AF_INET AF_INET6 AF_UNIX AF_NETLINK",
+        "UMask=0077",
+        "DevicePolicy=closed",
+    ]
+    if opts.gpu:
+        lines += [f"DeviceAllow={d}" for d in GPU_DEVICES]
+    return "\n".join(lines)
+
+
+def _common_service(opts: UnitOptions) -> str:
+    return f"""WorkingDirectory={opts.workdir}
+Environment=HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 DDSERVE_CACHE=/var/cache/ddserve HF_HOME=/var/cache/ddserve/hf
+CacheDirectory=ddserve
+StateDirectory=ddserve
+Restart=on-failure
+RestartSec={opts.restart_sec}
+TimeoutStopSec={opts.stop_timeout_s}
+KillMode=mixed
+StandardOutput=journal
+StandardError=journal
+{_hardening(opts)}"""
+
+
+def engine_unit(opts: UnitOptions) -> str:
+    return f"""[Unit]
+Description=ddserve builtin DDTree engine %i
+Documentation=file://{opts.workdir}/README.md
+After=network-online.target
+Wants=network-online.target
+StartLimitIntervalSec=300
+StartLimitBurst=5
+
+[Service]
+Type=exec
+EnvironmentFile={opts.env_dir}/engine-%i.env
+ExecStart={opts.python} -m service.cli engine --host ${{DDSERVE_HOST}} --port ${{DDSERVE_PORT}}
+{_common_service(opts)}
+
+[Install]
+WantedBy=multi-user.target
+"""
+
+
+def ray_head_unit(opts: UnitOptions, cfg: ServeConfig) -> str:
+    ray = shlex.quote(str(Path(opts.python).with_name("ray")))
+    return f"""[Unit]
+Description=ddserve Ray head node
+After=network-online.target
+Wants=network-online.target
+StartLimitIntervalSec=300
+StartLimitBurst=5
+
+[Service]
+Type=exec
+Environment=RAY_SERVE_PROXY_PREFER_LOCAL_NODE_ROUTING=0 RAY_USAGE_STATS_ENABLED=0
+ExecStart={ray} start --head --block --port {opts.ray_port} --num-cpus {max(1, int(cfg.cpus_per_replica))}
+ExecStop={ray} stop
+{_common_service(opts)}
+
+[Install]
+WantedBy=multi-user.target
+"""
+
+
+def ray_worker_unit(opts: UnitOptions) -> str:
+    ray = shlex.quote(str(Path(opts.python).with_name("ray")))
+    return f"""[Unit]
+Description=ddserve Ray worker node (joins DDSERVE_RAY_HEAD)
+After=network-online.target
+Wants=network-online.target
+StartLimitIntervalSec=300
+StartLimitBurst=5
+
+[Service]
+Type=exec
+EnvironmentFile={opts.env_dir}/ray-worker.env
+Environment=RAY_SERVE_PROXY_PREFER_LOCAL_NODE_ROUTING=0 RAY_USAGE_STATS_ENABLED=0
+ExecStart={ray} start --block --address ${{DDSERVE_RAY_HEAD}}
+ExecStop={ray} stop
+{_common_service(opts)}
+
+[Install]
+WantedBy=multi-user.target
+"""
+
+
+def app_unit(opts: UnitOptions) -> str:
+    return f"""[Unit]
+Description=ddserve Serve application (deploys once the Ray head is up; reload re-applies)
+Requires=ddserve-ray-head.service
+After=ddserve-ray-head.service
+
+[Service]
+Type=oneshot
+RemainAfterExit=yes
+Environment=DDSERVE_RAY_LOOPBACK=0
+ExecStart={opts.python} -m service.cli up --config {opts.config_path} --address 127.0.0.1:{opts.ray_port}
+ExecReload={opts.python} -m service.cli up --config {opts.config_path} --address 127.0.0.1:{opts.ray_port}
+ExecStop={opts.python} -m service.cli down --config {opts.config_path} --address 127.0.0.1:{opts.ray_port}
+TimeoutStartSec=1800
+WorkingDirectory={opts.workdir}
+Environment=HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
+StandardOutput=journal
+StandardError=journal
+{_hardening(opts)}
+
+[Install]
+WantedBy=multi-user.target
+"""
+
+
+def engine_env(engine: EngineConfig, host: str, port: int) -> str:
+    if engine.kind != "builtin":
+        raise ConfigError(
+            "ddserve-engine@ runs the builtin engine; SGLang engines run under the Ray application"
+        )
+    return (
+        env_file_text(engine, "for ddserve-engine@") + f"DDSERVE_HOST={host}\nDDSERVE_PORT={port}\n"
+    )
+
+
+def render(
+    cfg: ServeConfig, opts: UnitOptions, *, engine_name: str = "default", engine_port: int = 30000
+) -> dict[str, str]:
+    """{relative path: text}: units under units/, environment files under env/."""
+    opts.check()
+    if not engine_name.replace("-", "").replace("_", "").isalnum():
+        raise ConfigError(f"engine_name={engine_name!r}: letters, digits, '-' and '_' only")
+    return {
+        "units/ddserve-engine@.service": engine_unit(opts),
+        "units/ddserve-ray-head.service": ray_head_unit(opts, cfg),
+        "units/ddserve-ray-worker.service": ray_worker_unit(opts),
+        "units/ddserve-app.service": app_unit(opts),
+        f"env/engine-{engine_name}.env": engine_env(cfg.engine, "127.0.0.1", engine_port),
+        "env/ray-worker.env": f"DDSERVE_RAY_HEAD=127.0.0.1:{opts.ray_port}\n",
+    }
+
+
+def write_tree(files: dict[str, str], out: Path) -> None:
+    """Write everything into a temp dir, then move it in place: nothing half-written."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".ddserve-units-", dir=out.parent))
+    try:
+        for rel, text in files.items():
+            p = tmp / rel
+            p.parent.mkdir(parents=True, exist_ok=True)
+            p.write_text(text)
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
