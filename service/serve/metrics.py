@@ -18,7 +18,9 @@ from service.errors import DDServeError
 from service.server.generation import Delta
 
 LATENCY_BUCKETS = [0.005, 0.01, 0.02, 0.04, 0.08, 0.15, 0.3, 0.6, 1.2, 2.5, 5, 10, 20, 40, 80]
-ACCEPT_BUCKETS = [1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 24, 32]
+# Ray's exporter rebuilds a histogram's _sum from bucket midpoints, so acceptance-length
+# buckets are centred on the integers: every length up to 16 keeps an exact mean.
+ACCEPT_BUCKETS = [k + 0.5 for k in range(17)] + [24.5, 32.5, 64.5]
 
 
 class ReplicaMetrics:

@@ -101,6 +101,7 @@ def test_bad_requests_get_openai_errors_through_serve(serve_app, body, status):
 
 PROM_QUERIES = {
     "accept": "sum by (replica) (ray_ddserve_accept_length_count)",
+    "accept_mean": "sum by (replica) (ray_ddserve_accept_length_sum) / sum by (replica) (ray_ddserve_accept_length_count)",
     "tokens": "sum by (replica) (ray_ddserve_generation_tokens_total)",
     "ttft": "sum by (replica) (ray_ddserve_time_to_first_token_seconds_count)",
     "config": "max by (replica, fingerprint) (ray_ddserve_config_info)",

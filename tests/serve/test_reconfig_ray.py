@@ -277,5 +277,10 @@ def test_every_dashboard_panel_query_is_valid_and_returns_data(app, tmp_path):
             empty = [(t, q) for t, q in empty if not query(prom, q)]
         assert not empty, f"panels without data: {empty}"
         out = os.environ.get("DDSERVE_DASHBOARD_PNG") or str(tmp_path / "dashboard.png")
+        if os.environ.get("DDSERVE_DASHBOARD_PNG"):
+            time.sleep(90)  # a longer history for the picture in docs/
         render(prom, out, minutes=2)
         assert Path(out).stat().st_size > 10_000
+        # acceptance length is at least one token per round, and its mean is exact
+        means = query(prom, grafana_to_promql(panel_queries()[0][1]))
+        assert means and all(float(m["value"][1]) >= 1.0 for m in means), means
