@@ -156,7 +156,7 @@ StartLimitBurst=5
 [Service]
 Type=exec
 Environment=RAY_SERVE_PROXY_PREFER_LOCAL_NODE_ROUTING=0 RAY_USAGE_STATS_ENABLED=0
-ExecStart={ray} start --head --block --port {opts.ray_port} --num-cpus {max(1, int(cfg.cpus_per_replica))}
+ExecStart={ray} start --head --block --port {opts.ray_port} --num-cpus {max(1, int(cfg.cpus_per_replica))} --temp-dir=/var/lib/ddserve/ray
 ExecStop={ray} stop
 {_common_service(opts)}
 
@@ -178,7 +178,7 @@ StartLimitBurst=5
 Type=exec
 EnvironmentFile={opts.env_dir}/ray-worker.env
 Environment=RAY_SERVE_PROXY_PREFER_LOCAL_NODE_ROUTING=0 RAY_USAGE_STATS_ENABLED=0
-ExecStart={ray} start --block --address ${{DDSERVE_RAY_HEAD}}
+ExecStart={ray} start --block --address ${{DDSERVE_RAY_HEAD}} --temp-dir=/var/lib/ddserve/ray
 ExecStop={ray} stop
 {_common_service(opts)}
 
