@@ -102,10 +102,15 @@ PANELS: list[tuple[str, str, list[tuple[str, str]], str]] = [
         "timeseries",
     ),
     (
-        "In-flight requests per replica",
+        "In-flight and queued requests",
         "short",
         [
-            ("{{replica}}", f"sum by (replica) (ray_ddserve_inflight_requests{{{SEL}}})"),
+            ("in flight {{replica}}", f"sum by (replica) (ray_ddserve_inflight_requests{{{SEL}}})"),
+            # queued in Serve's router before a replica is chosen: per deployment, not replica
+            (
+                "queued (Serve)",
+                'sum(ray_serve_deployment_queued_queries{deployment="EngineReplica"})',
+            ),
         ],
         "timeseries",
     ),
