@@ -62,6 +62,10 @@ class UnitOptions:
                 raise ConfigError(
                     f"{name}={value!r}: a path in a unit must not contain spaces, quotes, '$', '%', ';' or backslashes"
                 )
+        if self.workdir.startswith(("/tmp/", "/var/tmp/")):
+            raise ConfigError(
+                f"workdir={self.workdir!r}: the units use PrivateTmp, which hides /tmp; install the code elsewhere (e.g. /opt/ddserve)"
+            )
         if self.stop_timeout_s <= 0:
             raise ConfigError(
                 f"stop_timeout_s={self.stop_timeout_s}: must be a positive number of seconds"

@@ -35,7 +35,12 @@ from service.errors import (
 )
 from service.server import openai_format as fmt
 from service.server.generation import accept_histogram, complete, resolve_sampling
-from service.server.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
+from service.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    GenerateRequest,
+    Sampling,
+)
 from service.server.text import encode, render_chat
 
 log = logging.getLogger(__name__)
@@ -88,6 +93,19 @@ def create_app(
                 f"model {name!r} is not served here; this server serves {model_id!r}", param="model"
             )
 
+    def openai_sampling(req: Sampling, prompt: list[int]):
+        return resolve_sampling(
+            backend,
+            prompt,
+            max_tokens=req.max_tokens,
+            temperature=req.temperature,
+            top_p=req.top_p,
+            top_k=req.top_k,
+            stop=req.stop_list,
+            ignore_eos=req.ignore_eos,
+            seed=req.seed,
+        )
+
     def record(stats) -> None:
         totals["requests"] += 1
         if stats is not None:
@@ -139,17 +157,7 @@ def create_app(
         prompt = render_chat(
             backend.tokenizer, [{"role": m.role, "content": m.text} for m in req.messages]
         )
-        sp = resolve_sampling(
-            backend,
-            prompt,
-            max_tokens=req.max_tokens,
-            temperature=req.temperature,
-            top_p=req.top_p,
-            top_k=req.top_k,
-            stop=req.stop_list,
-            ignore_eos=req.ignore_eos,
-            seed=req.seed,
-        )
+        sp = openai_sampling(req, prompt)
         rid = fmt.new_id("chatcmpl")
         if not req.stream:
             c = await complete(backend, prompt, sp)
@@ -202,17 +210,7 @@ def create_app(
             if isinstance(req.prompt, list)
             else encode(backend.tokenizer, req.prompt)
         )
-        sp = resolve_sampling(
-            backend,
-            prompt,
-            max_tokens=req.max_tokens,
-            temperature=req.temperature,
-            top_p=req.top_p,
-            top_k=req.top_k,
-            stop=req.stop_list,
-            ignore_eos=req.ignore_eos,
-            seed=req.seed,
-        )
+        sp = openai_sampling(req, prompt)
         rid = fmt.new_id("cmpl")
         prefix = req.prompt if (req.echo and isinstance(req.prompt, str)) else ""
         if not req.stream:

@@ -282,5 +282,9 @@ def test_every_dashboard_panel_query_is_valid_and_returns_data(app, tmp_path):
         render(prom, out, minutes=2)
         assert Path(out).stat().st_size > 10_000
         # acceptance length is at least one token per round, and its mean is exact
-        means = query(prom, grafana_to_promql(panel_queries()[0][1]))
-        assert means and all(float(m["value"][1]) >= 1.0 for m in means), means
+        # (replicas replaced earlier in this module have no recent rounds: NaN, skipped)
+        means = [
+            float(m["value"][1]) for m in query(prom, grafana_to_promql(panel_queries()[0][1]))
+        ]
+        live = [m for m in means if m == m]
+        assert live and all(m >= 1.0 for m in live), means

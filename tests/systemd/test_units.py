@@ -28,7 +28,10 @@ UNITS = [
 @pytest.fixture(scope="module")
 def rendered(tmp_path_factory):
     out = tmp_path_factory.mktemp("units") / "tree"
-    write_tree(render(load_config(ROOT / "deploy" / "default.yaml"), UnitOptions()), out)
+    write_tree(
+        render(load_config(ROOT / "deploy" / "default.yaml"), UnitOptions(workdir="/opt/ddserve")),
+        out,
+    )
     flat = out.parent / "flat"
     flat.mkdir()
     for p in (out / "units").iterdir():
@@ -80,6 +83,7 @@ def test_exposure_score_is_at_most_3(rendered, unit):
         (UnitOptions(workdir="/opt/dd serve"), "must not contain spaces"),
         (UnitOptions(python="python3"), "must be an absolute path"),
         (UnitOptions(stop_timeout_s=-1), "positive number of seconds"),
+        (UnitOptions(workdir="/tmp/ddserve"), "PrivateTmp"),
     ],
 )
 def test_bad_values_fail_and_nothing_is_written(tmp_path, opts, needle):
@@ -134,14 +138,15 @@ def test_engine_unit_under_a_real_systemd(tmp_path):
         )
     )
     url = f"http://127.0.0.1:{port}"
-    with nspawn.booted([str(ROOT), str(tmp_path)]) as c:
-        c.run(
-            "chmod", "755", "/root"
-        )  # the interpreter lives under /root here; /opt or /usr in production
+    # the checkout may live under /tmp, which the unit's PrivateTmp hides: mount it at /opt
+    src = "/opt/ddserve-src"
+    with nspawn.booted([f"{ROOT}:{src}", str(tmp_path)]) as c:
+        # the interpreter lives under /root here; /opt or /usr in production
+        c.run("chmod", "755", "/root")
         c.run(
             "sh",
             "-c",
-            f"cd {ROOT} && {sys.executable} -m service.cli systemd install --config {cfg} --engine-name t1 --engine-port {port} --start",
+            f"cd {src} && {sys.executable} -m service.cli systemd install --config {cfg} --engine-name t1 --engine-port {port} --start",
         )
         fp1 = _wait_generation(url, 240)
         assert (
@@ -172,7 +177,7 @@ def test_engine_unit_under_a_real_systemd(tmp_path):
         st = c.run(
             "sh",
             "-c",
-            f"cd {ROOT} && {sys.executable} -m service.cli systemd status --engine-name t1 --engine-port {port} --config {cfg}",
+            f"cd {src} && {sys.executable} -m service.cli systemd status --engine-name t1 --engine-port {port} --config {cfg}",
             check=False,
         )
         assert st.returncode == 0 and "ready (real generation ok" in st.stdout
