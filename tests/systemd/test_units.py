@@ -81,8 +81,8 @@ def test_exposure_score_is_at_most_3(rendered, unit):
     "opts,needle",
     [
         (UnitOptions(workdir="/opt/dd serve"), "must not contain spaces"),
-        (UnitOptions(python="python3"), "must be an absolute path"),
-        (UnitOptions(stop_timeout_s=-1), "positive number of seconds"),
+        (UnitOptions(python="python3", workdir="/opt/ddserve"), "must be an absolute path"),
+        (UnitOptions(stop_timeout_s=-1, workdir="/opt/ddserve"), "positive number of seconds"),
         (UnitOptions(workdir="/tmp/ddserve"), "PrivateTmp"),
     ],
 )
