@@ -27,6 +27,14 @@ def add_parsers(sub, default_config: str) -> None:
     common.add_argument(
         "--root", default="/", help="install under this root (for images and tests)"
     )
+    common.add_argument(
+        "--workdir",
+        default=UnitOptions.workdir,
+        help="where the ddserve code lives (not under /tmp: the units use PrivateTmp)",
+    )
+    common.add_argument(
+        "--python", default=UnitOptions.python, help="the interpreter that has ddserve installed"
+    )
     r = ss.add_parser("render", parents=[common], help="write units and env files into --out")
     r.add_argument("--out", required=True)
     r.add_argument("--gpu", action="store_true", help="allow the NVIDIA device nodes")
@@ -69,6 +77,8 @@ def dispatch(a) -> int:
             else "/etc/ddserve/ddserve.yaml",
             stop_timeout_s=a.stop_timeout,
             gpu=a.gpu,
+            workdir=a.workdir,
+            python=a.python,
         )
         files = render(cfg, opts, engine_name=a.engine_name, engine_port=a.engine_port)
         if cmd == "render":
