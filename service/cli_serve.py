@@ -5,9 +5,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import socket
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 from service.errors import ConfigError, EngineUnavailable
 
@@ -39,28 +42,42 @@ def add_parsers(sub) -> None:
     down.add_argument("--stop-ray", action="store_true")
 
 
+def _local_cluster_running() -> bool:
+    """Whether the cluster Ray last recorded on this machine still answers (a stale record
+    would make ray.init retry for minutes)."""
+    record = Path(tempfile.gettempdir()) / "ray" / "ray_current_cluster"
+    try:
+        host, _, port = record.read_text().strip().rpartition(":")
+        with socket.create_connection((host, int(port)), timeout=1):
+            return True
+    except (OSError, ValueError):
+        return False
+
+
 def _connect(address: str | None, *, start: bool, num_cpus: int | None = None) -> None:
-    """Connect to Ray; with `start`, start a local head when none runs. A local cluster
-    binds to loopback unless DDSERVE_RAY_LOOPBACK=0 (a laptop's Ray is not a network service)."""
+    """Connect to Ray; with `start`, start a local head when none runs. A local cluster binds
+    to loopback unless DDSERVE_RAY_LOOPBACK=0 (a laptop's Ray is not a network service).
+    Call it before anything imports ray: Ray reads these variables at import."""
     loopback = address is None and os.environ.get("DDSERVE_RAY_LOOPBACK", "1") == "1"
     if loopback:
-        os.environ.setdefault(
-            "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0"
-        )  # Ray's own switch: node IP = 127.0.0.1
+        # Ray's own switch: this node's IP is 127.0.0.1
+        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     # LLM replicas are compute-bound: Serve's proxies should balance by load, not prefer
     # replicas on their own node (inherited by the head started below)
     os.environ.setdefault("RAY_SERVE_PROXY_PREFER_LOCAL_NODE_ROUTING", "0")
     import ray
 
-    try:
-        ray.init(address=address or "auto", logging_level="ERROR", log_to_driver=False)
-        return
-    except ConnectionError as exc:
-        if not start or address:
+    if address or _local_cluster_running():
+        try:
+            ray.init(address=address or "auto", logging_level="ERROR", log_to_driver=False)
+            return
+        except ConnectionError as exc:
             raise EngineUnavailable(
-                f"no Ray cluster at {address or 'this machine'}; run `ddserve up` first"
+                f"no Ray cluster at {address or 'this machine'}: {exc}"
             ) from exc
+    if not start:
+        raise EngineUnavailable("no Ray cluster runs on this machine; run `ddserve up` first")
     cmd = ["ray", "start", "--head", "--disable-usage-stats"]
     if loopback:
         cmd += ["--node-ip-address", "127.0.0.1"]
@@ -69,21 +86,22 @@ def _connect(address: str | None, *, start: bool, num_cpus: int | None = None) -
     print("starting a local Ray head ...", flush=True)
     r = subprocess.run(cmd, capture_output=True, text=True)
     if r.returncode != 0:
-        raise EngineUnavailable(
-            f"`ray start` failed: {r.stderr.strip().splitlines()[-1] if r.stderr.strip() else r.returncode}"
-        )
+        last = r.stderr.strip().splitlines()[-1] if r.stderr.strip() else r.returncode
+        raise EngineUnavailable(f"`ray start` failed: {last}")
     ray.init(address="auto", logging_level="ERROR", log_to_driver=False)
 
 
 def run_up(a: argparse.Namespace) -> None:
     import httpx
-    from ray import serve
 
     from service.deploy_config import load_config
-    from service.serve.replica import build_app
 
     cfg = load_config(a.config)
-    _connect(a.address, start=True, num_cpus=a.num_cpus)
+    _connect(a.address, start=True, num_cpus=a.num_cpus)  # before anything imports ray
+    from ray import serve
+
+    from service.serve.replica import build_app
+
     serve.start(http_options={"host": cfg.http.host, "port": cfg.http.port})
     t0 = time.time()
     print(
@@ -145,12 +163,12 @@ def forget_replicas(app_name: str, replica_ids: list[str]) -> None:
 
 
 def run_status(a: argparse.Namespace) -> int:
-    from ray import serve
-
     from service.deploy_config import load_config
 
     cfg = load_config(a.config)
     _connect(a.address, start=False)
+    from ray import serve
+
     apps = serve.status().applications
     app = apps.get(cfg.name)
     if app is None:
@@ -188,13 +206,13 @@ def run_status(a: argparse.Namespace) -> int:
 
 
 def run_down(a: argparse.Namespace) -> None:
-    from ray import serve
-
     from service.deploy_config import load_config
 
     cfg = load_config(a.config)
     try:
         _connect(a.address, start=False)
+        from ray import serve
+
         serve.delete(cfg.name)
         print(f"deleted application {cfg.name}")
     except EngineUnavailable:

@@ -184,6 +184,10 @@ def _stats(meta: dict, prompt_len: int) -> RequestStats:
         completion_tokens=meta.get("completion_tokens", 0),
         verify_rounds=meta.get("spec_verify_ct", 0),
     )
+    ext = meta.get("ddtree") or {}  # the builtin engine's timings
+    st.draft_s = ext.get("draft_ms", 0.0) / 1e3
+    st.verify_s = ext.get("verify_ms", 0.0) / 1e3
+    st.prefill_s = ext.get("prefill_ms", 0.0) / 1e3
     hist = meta.get("spec_accept_histogram")
     if hist:
         st.accept_lengths = [int(k) for k, n in hist.items() for _ in range(int(n))]

@@ -265,6 +265,8 @@ def create_app(
                 "finish_reason": {"type": finish} if finish else None,
                 "spec_verify_ct": stats.verify_rounds if stats else 0,
                 "spec_accept_length": round(stats.tau, 4) if stats else 0.0,
+                # ddserve extensions (SGLang has none of these)
+                "ddtree": fmt.ddtree_ext(stats),
                 "e2e_latency": round(time.perf_counter() - t0, 4),
                 "system_fingerprint": fp,
                 **({"spec_accept_histogram": accept_histogram(stats)} if finish and stats else {}),

@@ -60,6 +60,7 @@ def test_completions_models_and_native_generate(client, engine_server):
     ).json()
     assert r["text"] == c.choices[0].text and len(r["output_ids"]) == 5
     assert r["meta_info"]["spec_verify_ct"] >= 1 and r["meta_info"]["completion_tokens"] == 5
+    assert r["meta_info"]["ddtree"]["verify_ms"] > 0
     ids = httpx.post(
         engine_server.url + "/generate",
         json={"input_ids": r["output_ids"], "sampling_params": {"max_new_tokens": 3}},
