@@ -41,7 +41,10 @@ def test_openai_client_through_serve_on_both_replicas_and_nodes(serve_app):
         seen.add(raw.headers["x-ddserve-replica"])
         r = raw.parse()
         assert r.choices[0].message.content and r.usage.completion_tokens == 8
-        assert r.model_extra["ddtree"]["verify_rounds"] >= 1 and r.model_extra["ddtree"]["verify_ms"] > 0
+        assert (
+            r.model_extra["ddtree"]["verify_rounds"] >= 1
+            and r.model_extra["ddtree"]["verify_ms"] > 0
+        )
     assert len(seen) == 2, seen
     states = replica_states(cfg.name)
     assert {s["replica"] for s in states} == seen
