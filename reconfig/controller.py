@@ -18,8 +18,16 @@ from datetime import UTC, datetime
 
 from reconfig.history import History
 from reconfig.plan import Plan, desired_config, plan
-from reconfig.ray_target import RolloutFailed
 from service.config import EngineConfig
+from service.errors import DDServeError
+
+
+class RolloutFailed(DDServeError):
+    """A target could not apply or verify a config; `replicas` holds what did verify."""
+
+    def __init__(self, message: str, replicas: list[dict] | None = None):
+        super().__init__(message)
+        self.replicas = replicas or []
 
 
 def describe_plan(p: Plan) -> list[str]:

@@ -24,9 +24,9 @@ from pathlib import Path
 
 import httpx
 
+from reconfig.controller import RolloutFailed
 from reconfig.history import History
 from reconfig.plan import Plan
-from reconfig.ray_target import RolloutFailed
 from service.cli import ENGINE_FLAGS, env_name
 from service.config import EngineConfig
 from service.engine_process import EngineProcess

@@ -21,17 +21,11 @@ from collections.abc import Callable
 
 import httpx
 
+from reconfig.controller import RolloutFailed
 from reconfig.history import History
 from reconfig.plan import Plan
 from service.config import EngineConfig
 from service.deploy_config import ServeConfig
-from service.errors import DDServeError
-
-
-class RolloutFailed(DDServeError):
-    def __init__(self, message: str, replicas: list[dict] | None = None):
-        super().__init__(message)
-        self.replicas = replicas or []
 
 
 def token_digest(token: str | None) -> str:
