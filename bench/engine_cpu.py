@@ -1,9 +1,11 @@
-"""Builtin engine on this machine: tok/s and tau per tree config, cold start, peak RSS.
+"""Builtin engine: tok/s and tau per drafter and tree config, cold start, peak RSS.
 
-    python -m bench.engine_cpu [--model smollm2-135m] [--max-tokens 96] [--out bench/results] [--with-layer-skip]
+    python -m bench.engine_cpu [--model smollm2-135m] [--max-tokens 96] [--out bench/results]
+        [--configs ar,ngram-b4k2,...] [--prompt-set chat|heldout] [--device cpu|cuda]
+        [--dflash DIR] [--name engine_cpu] [--no-server]
 
-Prints a table and writes engine_cpu.json (and engine_cpu.png when matplotlib is present).
-Greedy decoding, so every config produces the same tokens (lossless) and only speed differs.
+Prints a table and writes NAME.json (and NAME.png when matplotlib is present). Greedy runs
+must produce the same tokens for every config (lossless; the table says so per row).
 """
 
 from __future__ import annotations
@@ -23,38 +25,63 @@ import torch
 from bench.prompts import CHAT_PROMPTS
 from service.config import LiveParams
 from service.engine.ddtree import DDTreeEngine
+from service.engine.dflash import BUILTIN, DFlashDrafter, load_dflash
 from service.engine.drafters import ModelDrafter, NGramDrafter, NoDrafter
 from service.engine.sampling import SamplingParams
 from service.engine.weights import load_model
 
-CONFIGS = [
-    ("AR (budget 0)", "none", 0, 1),
-    ("ngram b4 k2", "ngram", 4, 2),
-    ("ngram b8 k4", "ngram", 8, 4),
-    ("ngram b16 k4", "ngram", 16, 4),
-    ("ngram b8 k1", "ngram", 8, 1),
-]
-LAYER_SKIP = ("layer-skip(12) b6 k2", "layer-skip", 6, 2)  # ~5x slower than AR here: opt-in
+# name -> (drafter kind, budget, topk)
+REGISTRY = {
+    "ar": ("none", 0, 1),
+    "ngram-b4k2": ("ngram", 4, 2),
+    "ngram-b8k4": ("ngram", 8, 4),
+    "ngram-b16k4": ("ngram", 16, 4),
+    "ngram-b8k1": ("ngram", 8, 1),
+    "layer-skip12-b6k2": ("layer-skip", 6, 2),  # ~5x slower than AR on CPU: opt-in
+    "dflash-b4k1": ("dflash", 4, 1),
+    "dflash-b8k1": ("dflash", 8, 1),
+    "dflash-b8k2": ("dflash", 8, 2),
+    "dflash-b16k4": ("dflash", 16, 4),
+    "dflash-b32k4": ("dflash", 32, 4),
+    "dflash-b64k8": ("dflash", 64, 8),
+}
+DEFAULT_GREEDY = ["ar", "ngram-b4k2", "ngram-b8k4", "ngram-b16k4", "ngram-b8k1"]
+DEFAULT_SAMPLED = ["ar", "ngram-b4k2", "ngram-b8k4"]
+
+
+def make_drafter(kind: str, m, dflash_dir: str | None):
+    if kind == "none":
+        return NoDrafter()
+    if kind == "ngram":
+        return NGramDrafter(m.cfg.vocab_size)
+    if kind == "layer-skip":
+        return ModelDrafter(m, 12, "layer-skip")
+    return DFlashDrafter(load_dflash(dflash_dir or BUILTIN["smollm2-135m"]), m)
+
+
+def prompt_set(name: str) -> list[str]:
+    if name == "chat":
+        return list(CHAT_PROMPTS)
+    from training.prompts import heldout_prompts
+
+    held = heldout_prompts()  # 8 chat prompts, then held-out HumanEval problems
+    return held if name == "heldout" else held[: int(name.split(":")[1])]
 
 
 def engine_runs(
-    model_spec: str, max_tokens: int, temperature: float, configs: list[tuple]
+    lm, texts: list[str], max_tokens: int, temperature: float, configs: list[str], dflash=None
 ) -> list[dict]:
-    lm = load_model(model_spec)
     m, tok = lm.model, lm.tokenizer
     prompts = [
         tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True)[
             "input_ids"
         ]
-        for p in CHAT_PROMPTS
+        for p in texts
     ]
     rows, ref = [], None
-    for name, kind, budget, topk in configs:
-        drafter = {
-            "none": NoDrafter(),
-            "ngram": NGramDrafter(m.cfg.vocab_size),
-            "layer-skip": ModelDrafter(m, 12, "layer-skip"),
-        }[kind]
+    for name in configs:
+        kind, budget, topk = REGISTRY[name]
+        drafter = make_drafter(kind, m, dflash)
         eng = DDTreeEngine(m, drafter, 8, m.cfg.eos_token_ids)
         eng.generate(
             prompts[0][:8], SamplingParams(max_tokens=4), LiveParams(budget=budget, topk=topk)
@@ -76,6 +103,8 @@ def engine_runs(
             verify += seq.stats.verify_s
             outs.append(seq.output)
         ref = ref or outs
+        if m.device.type == "cuda":
+            torch.cuda.synchronize()
         rows.append(
             {
                 "config": name,
@@ -88,7 +117,12 @@ def engine_runs(
                 "tau": round(toks / rounds, 3),
                 "draft_ms_per_round": round(draft / rounds * 1e3, 2),
                 "verify_ms_per_round": round(verify / rounds * 1e3, 2),
-                "same_as_ar": outs == ref if temperature == 0 else None,
+                # greedy: prompts whose output equals the first config's (AR) token for token
+                "same_as_ar": (
+                    f"{sum(o == r for o, r in zip(outs, ref, strict=True))}/{len(outs)}"
+                    if temperature == 0
+                    else None
+                ),
             }
         )
         print(
@@ -154,31 +188,41 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--out", default="bench/results")
-    ap.add_argument(
-        "--with-layer-skip",
-        action="store_true",
-        help="also measure the layer-skip drafter (greedy)",
-    )
+    ap.add_argument("--configs", default=",".join(DEFAULT_GREEDY), help="greedy configs")
+    ap.add_argument("--sampled-configs", default=",".join(DEFAULT_SAMPLED), help="T=1 configs")
+    ap.add_argument("--prompt-set", default="chat", help="chat | heldout | heldout:N")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dflash", help="DFlash drafter directory (default: the builtin one)")
+    ap.add_argument("--name", default="engine_cpu", help="results file stem")
+    ap.add_argument("--no-server", action="store_true", help="skip the cold-start/RSS run")
     a = ap.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    for c in (a.configs + "," + a.sampled_configs).split(","):
+        if c and c not in REGISTRY:
+            sys.exit(f"unknown config {c!r}; known: {', '.join(REGISTRY)}")
+    texts = prompt_set(a.prompt_set)
+    dtype = torch.bfloat16 if a.device == "cuda" else torch.float32
+    lm = load_model(a.model, a.device, dtype)
+    dev = torch.cuda.get_device_name() if a.device == "cuda" else f"{os.cpu_count()} cores"
     result = {
         "model": a.model,
-        "machine": f"{platform.machine()} {os.cpu_count()} cores, torch {torch.__version__}, {torch.get_num_threads()} threads",
+        "machine": f"{platform.machine()} {dev}, torch {torch.__version__}, {torch.get_num_threads()} threads",
+        "dtype": str(dtype),
         "max_tokens": a.max_tokens,
-        "prompts": len(CHAT_PROMPTS),
+        "prompt_set": a.prompt_set,
+        "prompts": len(texts),
+        "command": "python -m bench.engine_cpu " + " ".join(sys.argv[1:]),
     }
     print("greedy (T=0):")
-    result["greedy"] = engine_runs(
-        a.model, a.max_tokens, 0.0, CONFIGS + ([LAYER_SKIP] if a.with_layer_skip else [])
-    )
+    result["greedy"] = engine_runs(lm, texts, a.max_tokens, 0.0, a.configs.split(","), a.dflash)
     print("sampled (T=1):")
-    result["sampled"] = engine_runs(
-        a.model, a.max_tokens, 1.0, [CONFIGS[0], CONFIGS[1], CONFIGS[2]]
-    )
-    result["server"] = cold_start(a.model)
+    sampled = [c for c in a.sampled_configs.split(",") if c]
+    result["sampled"] = engine_runs(lm, texts, a.max_tokens, 1.0, sampled, a.dflash)
+    if not a.no_server:
+        result["server"] = cold_start(a.model)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "engine_cpu.json").write_text(json.dumps(result, indent=1))
+    (out / f"{a.name}.json").write_text(json.dumps(result, indent=1))
     print(
         f"\n{'config':24s} {'T':>4s} {'tok/s':>8s} {'tau':>6s} {'draft ms':>9s} {'verify ms':>10s}  lossless"
     )
@@ -186,9 +230,10 @@ def main() -> None:
         print(
             f"{row['config']:24s} {row['temperature']:4.1f} {row['decode_tok_s']:8.2f} {row['tau']:6.2f} {row['draft_ms_per_round']:9.2f} {row['verify_ms_per_round']:10.2f}  {row['same_as_ar']}"
         )
-    print(
-        f"cold start to first token {result['server']['cold_start_to_first_token_s']} s, peak RSS {result['server']['peak_rss_mib']} MiB"
-    )
+    if "server" in result:
+        print(
+            f"cold start to first token {result['server']['cold_start_to_first_token_s']} s, peak RSS {result['server']['peak_rss_mib']} MiB"
+        )
     try:
         import matplotlib
 
@@ -202,7 +247,7 @@ def main() -> None:
         ax.set_title(f"{a.model} on {result['machine']}")
         plt.xticks(fontsize=7)
         fig.tight_layout()
-        fig.savefig(out / "engine_cpu.png", dpi=100)
+        fig.savefig(out / f"{a.name}.png", dpi=100)
     except ImportError:
         pass
 

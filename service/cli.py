@@ -22,7 +22,16 @@ ENGINE_FLAGS = {
         "smollm2-135m | tiny-random[:SEED] | FILE.gguf | converted DIR (default smollm2-135m)",
     ),
     "--served-name": ("served_name", str, "model id in the OpenAI API (default: --model)"),
-    "--drafter": ("drafter.kind", str, "ngram | draft-model | layer-skip | none (default ngram)"),
+    "--drafter": (
+        "drafter.kind",
+        str,
+        "ngram | dflash | draft-model | layer-skip | none (default ngram)",
+    ),
+    "--dflash-path": (
+        "drafter.dflash_path",
+        str,
+        "trained DFlash drafter directory (--drafter dflash; default: the model's builtin one)",
+    ),
     "--draft-model": (
         "drafter.draft_model",
         str,

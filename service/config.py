@@ -61,9 +61,13 @@ class LiveParams(_Frozen):
 class DrafterConfig(_Frozen):
     """Which drafter proposes the per-depth distributions the tree is built from."""
 
-    kind: Literal["ngram", "draft-model", "layer-skip", "none"] = Field(
+    kind: Literal["ngram", "dflash", "draft-model", "layer-skip", "none"] = Field(
         "ngram",
-        description="ngram: prompt lookup (no weights); draft-model: a smaller LM with the target's tokenizer; layer-skip: the target's first `layers` layers; none: autoregressive.",
+        description="ngram: prompt lookup (no weights); dflash: a block drafter conditioned on the target's hidden states (trained weights; builtin for smollm2-135m); draft-model: a smaller LM with the target's tokenizer; layer-skip: the target's first `layers` layers; none: autoregressive.",
+    )
+    dflash_path: str | None = Field(
+        None,
+        description="Directory of a trained DFlash drafter (config.json + model.safetensors); default: the builtin one for the model.",
     )
     depth: int = Field(
         8, ge=1, le=MAX_DEPTH, description="L: draft positions per round (tree depth limit)."

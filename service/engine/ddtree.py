@@ -41,6 +41,9 @@ class Sequence:
     output: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     stats: RequestStats = field(default_factory=RequestStats)
+    # target layer outputs of committed tokens the drafter has not seen yet (DFlash)
+    hidden_new: list[torch.Tensor] = field(default_factory=list)
+    tree_hidden: torch.Tensor | None = None  # the last verify's tapped outputs, all nodes
 
     @property
     def finished(self) -> bool:
@@ -55,6 +58,8 @@ class DDTreeEngine:
         self.drafter = drafter
         self.depth = depth
         self.eos_token_ids = frozenset(eos_token_ids)
+        # target layers whose outputs the drafter is conditioned on (kept from verify)
+        self.capture: tuple[int, ...] = tuple(getattr(drafter, "capture", ()))
 
     def new_sequence(self, prompt: list[int], sampling: SamplingParams) -> Sequence:
         gen = None
@@ -74,12 +79,15 @@ class DDTreeEngine:
         head = seq.tokens[:-1]
         if head:
             dev = self.model.device
-            self.model(
+            out = self.model(
                 torch.tensor(head, device=dev),
                 torch.arange(len(head), device=dev),
                 seq.cache,
                 last_only=True,
+                capture=self.capture,
             )
+            if self.capture:
+                seq.hidden_new.append(out[1])
             seq.cache.commit(len(head))
         seq.stats.prefill_s += time.perf_counter() - t0
 
@@ -87,14 +95,22 @@ class DDTreeEngine:
         depth = min(self.depth, params.budget)
         if depth <= 0:
             return None
-        return self.drafter.draft(seq.draft_state, DraftContext(seq.tokens, params.window), depth)
+        hidden = None
+        if seq.hidden_new:
+            hidden = torch.cat(seq.hidden_new) if len(seq.hidden_new) > 1 else seq.hidden_new[0]
+            seq.hidden_new.clear()
+        ctx = DraftContext(seq.tokens, params.window, hidden)
+        return self.drafter.draft(seq.draft_state, ctx, depth)
 
     def verify(self, seq: Sequence, tree: Tree) -> torch.Tensor:
-        """Target logits at every node [n+1, V]; writes their KV as pending cache entries."""
+        """Target logits at every node [n+1, V]; writes their KV as pending cache entries.
+        With a capturing drafter, the nodes' tapped layer outputs go to `seq.tree_hidden`."""
         dev = self.model.device
         toks = torch.tensor(tree.tokens, device=dev)
         pos = seq.cache.next_pos + torch.tensor(tree.depths, device=dev)
-        logits = self.model(toks, pos, seq.cache, tree_mask(tree, dev))
+        logits = self.model(toks, pos, seq.cache, tree_mask(tree, dev), capture=self.capture)
+        if self.capture:
+            logits, seq.tree_hidden = logits
         if not torch.isfinite(logits).all():
             raise EngineError("the target produced non-finite logits (broken weights?)")
         return logits
@@ -118,6 +134,9 @@ class DDTreeEngine:
 
     def commit(self, seq: Sequence, tree: Tree, path: list[int], bonus: int) -> list[int]:
         seq.cache.commit([0, *path])
+        if self.capture:
+            seq.hidden_new.append(seq.tree_hidden[[0, *path]])
+            seq.tree_hidden = None
         new = [tree.tokens[i] for i in path] + [bonus]
         new = self._truncate_at_stop(seq, new)
         seq.tokens.extend(new)

@@ -234,12 +234,15 @@ class Llama(nn.Module):
         *,
         num_layers: int | None = None,
         last_only: bool = False,
-    ) -> torch.Tensor:
+        capture: tuple[int, ...] = (),
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Logits [N, V] (or [1, V] with last_only) for new `tokens` [N] at `positions` [N].
 
         mask: [N, N] bool among the new tokens (True = attend), default causal; every new
         token also sees all committed cache entries. Writes pending cache entries; the
-        caller decides what to keep with `cache.commit`.
+        caller decides what to keep with `cache.commit`. With `capture` (layer indices), also
+        returns the outputs of those layers for every new token, concatenated: [N, len*H]
+        (what a DFlash drafter is conditioned on; no extra target pass).
         """
         n = tokens.shape[0]
         cache.reserve(n)
@@ -250,8 +253,14 @@ class Llama(nn.Module):
         cos, sin = self.rope(positions)
         x = self.embed_tokens(tokens)
         layers = self.layers if num_layers is None else self.layers[:num_layers]
+        taps = []
         for i, block in enumerate(layers):
             x = block(x, cos, sin, cache, i, full)
+            if i in capture:
+                taps.append(x)
         if last_only:
             x = x[-1:]
-        return linear(self.norm(x), self.lm_head.weight).float()
+        logits = linear(self.norm(x), self.lm_head.weight).float()
+        if capture:
+            return logits, torch.cat(taps, dim=-1)
+        return logits

@@ -31,7 +31,7 @@ from service.engine.ddtree import DDTreeEngine, Sequence
 from service.engine.drafters import Drafter, ModelDrafter, NGramDrafter, NoDrafter
 from service.engine.sampling import RequestStats, SamplingParams
 from service.engine.weights import LoadedModel, load_model
-from service.errors import EngineError, EngineUnavailable, InvalidRequest
+from service.errors import ConfigError, EngineError, EngineUnavailable, InvalidRequest
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +80,19 @@ def build_drafter(
         return NoDrafter()
     if d.kind == "ngram":
         return NGramDrafter(target.model.cfg.vocab_size, d.ngram_max, d.ngram_min)
+    if d.kind == "dflash":
+        from service.engine.dflash import BUILTIN, DFlashDrafter, load_dflash
+
+        path = d.dflash_path or BUILTIN.get(config.model)
+        if path is None:
+            raise InvalidRequest(
+                f"drafter.kind=dflash: no builtin DFlash drafter for model {config.model!r}; set drafter.dflash_path (train one with python -m training.dflash)",
+                param="drafter.dflash_path",
+            )
+        try:
+            return DFlashDrafter(load_dflash(path), target.model)
+        except ConfigError as exc:
+            raise InvalidRequest(str(exc), param="drafter.dflash_path") from exc
     if d.kind == "layer-skip":
         if d.layers >= target.model.cfg.num_layers:
             raise InvalidRequest(

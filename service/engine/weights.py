@@ -128,6 +128,51 @@ def config_from_hf(hf_cfg, tokenizer=None) -> LlamaConfig:
     )
 
 
+def to_hf(model: Llama, dtype: torch.dtype | None = None):
+    """The same weights as a transformers LlamaForCausalLM (batched corpus generation for
+    drafter training, and the Hugging Face side of the benchmarks)."""
+    from transformers import LlamaConfig as HFConfig
+    from transformers import LlamaForCausalLM
+
+    cfg = model.cfg
+    hf_cfg = HFConfig(
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_heads,
+        num_key_value_heads=cfg.num_kv_heads,
+        head_dim=cfg.head_dim,
+        rope_theta=cfg.rope_theta,
+        rms_norm_eps=cfg.rms_eps,
+        tie_word_embeddings=cfg.tie_embeddings,
+        max_position_embeddings=cfg.max_position,
+        bos_token_id=cfg.bos_token_id,
+        eos_token_id=list(cfg.eos_token_ids) or None,
+    )
+    with torch.device("meta"):
+        hf = LlamaForCausalLM(hf_cfg)
+    state = {}
+    for k, v in model.state_dict().items():
+        if k.startswith("layers."):
+            _, i, name = k.split(".", 2)
+            attn = name.split(".")[0] in ("q_proj", "k_proj", "v_proj", "o_proj")
+            sub = "self_attn." if attn else ("mlp." if "proj" in name else "")
+            state[f"model.layers.{i}.{sub}{name}"] = v
+        elif k == "lm_head.weight":
+            if not cfg.tie_embeddings:
+                state[k] = v
+        else:
+            state[f"model.{k}"] = v
+    hf.load_state_dict(state, strict=False, assign=True)
+    if cfg.tie_embeddings:
+        hf.lm_head.weight = hf.model.embed_tokens.weight
+    hf.model.rotary_emb.inv_freq = model.inv_freq.clone().to(model.device)
+    hf.model.rotary_emb.original_inv_freq = hf.model.rotary_emb.inv_freq
+    hf = hf.to(device=model.device, dtype=dtype or model.dtype)
+    return hf.eval()
+
+
 def save_converted(model: Llama, tokenizer, directory: Path) -> None:
     """Write config.json + weights.safetensors (+ tokenizer) atomically (temp dir, rename)."""
     directory = Path(directory)

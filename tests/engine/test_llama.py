@@ -7,7 +7,7 @@ from transformers import LlamaForCausalLM
 
 from service.engine.llama import Llama
 from service.engine.tree import build_tree, tree_mask
-from service.engine.weights import config_from_hf, from_hf_state_dict, load_model
+from service.engine.weights import config_from_hf, from_hf_state_dict, load_model, to_hf
 
 
 def hf_tiny(seed=0, vocab=97):
@@ -94,36 +94,7 @@ def test_tree_forward_equals_each_branch_alone_and_commit_compacts():
 def test_smollm2_matches_transformers_forward():
     """The bundled model through our forward vs transformers' with the same weights."""
     lm = load_model("smollm2-135m")
-    cfg = lm.model.cfg
-    hf = LlamaForCausalLM(
-        HFConfig(
-            vocab_size=cfg.vocab_size,
-            hidden_size=cfg.hidden_size,
-            intermediate_size=cfg.intermediate_size,
-            num_hidden_layers=cfg.num_layers,
-            num_attention_heads=cfg.num_heads,
-            num_key_value_heads=cfg.num_kv_heads,
-            head_dim=cfg.head_dim,
-            rope_theta=cfg.rope_theta,
-            rms_norm_eps=cfg.rms_eps,
-            tie_word_embeddings=True,
-            max_position_embeddings=cfg.max_position,
-        )
-    ).eval()
-    state = {}
-    for k, v in lm.model.state_dict().items():
-        if k.startswith("layers."):
-            _, i, name = k.split(".", 2)
-            sub = (
-                "self_attn."
-                if name.split(".")[0] in ("q_proj", "k_proj", "v_proj", "o_proj")
-                else ("mlp." if "proj" in name else "")
-            )
-            state[f"model.layers.{i}.{sub}{name}"] = v
-        elif k != "lm_head.weight":
-            state[f"model.{k}"] = v
-    hf.load_state_dict(state, strict=False)
-    hf.tie_weights()
+    hf = to_hf(lm.model)
     ids = lm.tokenizer.encode("The capital of France is Paris. The capital of Italy is")
     with torch.no_grad():
         ref = hf(torch.tensor([ids])).logits[0]

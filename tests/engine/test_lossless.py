@@ -9,6 +9,7 @@ from scipy.stats import chisquare
 
 from service.config import LiveParams
 from service.engine.ddtree import DDTreeEngine
+from service.engine.dflash import DFlashConfig, DFlashDrafter, DFlashModel
 from service.engine.drafters import ModelDrafter, NGramDrafter, NoDrafter
 from service.engine.sampling import SamplingParams
 from service.engine.weights import load_model, random_llama, tiny_config
@@ -32,7 +33,14 @@ def drafters(model):
         "draft-model-self": ModelDrafter(model),
         "draft-model-other": ModelDrafter(random_llama(tiny_config(vocab_size=512), seed=4)),
         "layer-skip": ModelDrafter(model, num_layers=1, name="layer-skip"),
+        "dflash-untrained": DFlashDrafter(random_dflash(model), model),
     }
+
+
+def random_dflash(model, seed=5):
+    """An untrained block drafter: losslessness must not depend on its quality."""
+    torch.manual_seed(seed)
+    return DFlashModel(DFlashConfig.for_target(model.cfg, num_layers=1, block_size=6)).eval()
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,292 @@
+"""A DFlash-style block drafter: all L draft positions in one forward.
+
+Following the public DFlash design (z-lab/dflash; written here from the description, not
+copied):
+
+  context  the outputs of a few target layers for every committed token except the root,
+           concatenated, projected to the hidden size and RMS-normalised (`fc`, `hidden_norm`);
+           the engine keeps them from the verify forward, so there is no extra target pass
+  block    [root token, MASK x L] embedded with the target's (frozen) embeddings; MASK is a
+           learned vector
+  layers   a few decoder layers; their keys/values cover the projected context plus the
+           block; attention inside the block is bidirectional; RoPE on absolute positions
+  output   final norm + the target's (frozen, shared) LM head at the L MASK positions gives
+           the per-depth distributions the DDTree is built from
+
+Only the drafter's own weights are stored (a few MB): `save_dflash` / `load_dflash`.
+`DFlashDrafter` plugs into the engine's drafter interface and caches each request's context
+keys/values per layer, so a round only projects the newly committed tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from service.engine.drafters import DraftContext
+from service.engine.llama import Llama, LlamaConfig, RMSNorm, apply_rope, linear
+from service.errors import ConfigError
+
+BUILTIN_DIR = Path(__file__).parent / "dflash_weights"
+BUILTIN = {"smollm2-135m": BUILTIN_DIR / "smollm2-135m"}
+
+
+@dataclass(frozen=True)
+class DFlashConfig:
+    target_layers: tuple[int, ...]  # target layers whose outputs condition the drafter
+    num_layers: int  # drafter decoder layers
+    block_size: int  # L: positions predicted per forward
+    # the target's shapes (the drafter shares its embeddings, LM head and RoPE)
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    target_num_layers: int
+    rope_theta: float = 10000.0
+    rms_eps: float = 1e-5
+    target: str = ""  # a name for the target it was trained against
+
+    @classmethod
+    def for_target(cls, t: LlamaConfig, *, num_layers=2, block_size=8, taps=4, target=""):
+        n = t.num_layers
+        # evenly spaced from the second layer to the third-last (DFlash's choice of taps)
+        hi = max(0, n - 3)  # never the last layer (transformers reports it normalised)
+        lo = min(1, hi)
+        layers = sorted({round(lo + i * (hi - lo) / max(1, taps - 1)) for i in range(taps)})
+        return cls(
+            target_layers=tuple(layers),
+            num_layers=num_layers,
+            block_size=block_size,
+            vocab_size=t.vocab_size,
+            hidden_size=t.hidden_size,
+            intermediate_size=t.intermediate_size,
+            num_heads=t.num_heads,
+            num_kv_heads=t.num_kv_heads,
+            head_dim=t.head_dim,
+            target_num_layers=n,
+            rope_theta=t.rope_theta,
+            rms_eps=t.rms_eps,
+            target=target,
+        )
+
+    def check_target(self, t: LlamaConfig) -> None:
+        ours = (self.vocab_size, self.hidden_size, self.target_num_layers)
+        theirs = (t.vocab_size, t.hidden_size, t.num_layers)
+        if ours != theirs:
+            raise ConfigError(
+                f"the DFlash drafter was trained for a target with (vocab, hidden, layers)={ours}, "
+                f"this target has {theirs}"
+            )
+
+
+class DraftLayer(nn.Module):
+    """A decoder layer whose keys/values span [context features, block]."""
+
+    def __init__(self, c: DFlashConfig):
+        super().__init__()
+        self.c = c
+        h, hd = c.hidden_size, c.head_dim
+        self.q_proj = nn.Linear(h, c.num_heads * hd, bias=False)
+        self.k_proj = nn.Linear(h, c.num_kv_heads * hd, bias=False)
+        self.v_proj = nn.Linear(h, c.num_kv_heads * hd, bias=False)
+        self.o_proj = nn.Linear(c.num_heads * hd, h, bias=False)
+        self.gate_proj = nn.Linear(h, c.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(h, c.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(c.intermediate_size, h, bias=False)
+        self.input_layernorm = RMSNorm(h, c.rms_eps)
+        self.post_attention_layernorm = RMSNorm(h, c.rms_eps)
+
+    def _heads(self, t: torch.Tensor, n: int) -> torch.Tensor:
+        # [B, T, n*hd] -> [B, n, T, hd]
+        return t.unflatten(-1, (n, self.c.head_dim)).transpose(1, 2)
+
+    def context_kv(self, ctx, cos, sin):
+        """Keys/values of projected context features ctx [B, T, H] -> 2 x [B, kvh, T, hd]."""
+        k = self._heads(_lin(ctx, self.k_proj.weight), self.c.num_kv_heads)
+        v = self._heads(_lin(ctx, self.v_proj.weight), self.c.num_kv_heads)
+        return apply_rope(k, cos, sin), v
+
+    def forward(self, x, cos, sin, ctx_k, ctx_v, mask=None):
+        # x [B, Q, H]; cos/sin [B, 1, Q, hd]; ctx_k/v [B, kvh, T, hd]; mask [B, 1, Q, T+Q]
+        c = self.c
+        h = self.input_layernorm(x)
+        q = apply_rope(self._heads(_lin(h, self.q_proj.weight), c.num_heads), cos, sin)
+        k = apply_rope(self._heads(_lin(h, self.k_proj.weight), c.num_kv_heads), cos, sin)
+        v = self._heads(_lin(h, self.v_proj.weight), c.num_kv_heads)
+        keys, values = torch.cat([ctx_k, k], dim=2), torch.cat([ctx_v, v], dim=2)
+        att = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
+        x = x + _lin(att.transpose(1, 2).flatten(-2), self.o_proj.weight)
+        h = self.post_attention_layernorm(x)
+        mlp = F.silu(_lin(h, self.gate_proj.weight)) * _lin(h, self.up_proj.weight)
+        return x + _lin(mlp, self.down_proj.weight)
+
+
+def _lin(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    if x.dim() == 2:
+        return linear(x, w)
+    if x.dim() == 3 and x.shape[0] == 1:
+        return linear(x[0], w).unsqueeze(0)
+    return F.linear(x, w)
+
+
+class DFlashModel(nn.Module):
+    """The drafter's own weights; embeddings and LM head come from the target at call time."""
+
+    def __init__(self, c: DFlashConfig):
+        super().__init__()
+        self.c = c
+        self.fc = nn.Linear(len(c.target_layers) * c.hidden_size, c.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(c.hidden_size, c.rms_eps)
+        self.mask_embedding = nn.Parameter(torch.zeros(c.hidden_size))
+        self.layers = nn.ModuleList(DraftLayer(c) for _ in range(c.num_layers))
+        self.norm = RMSNorm(c.hidden_size, c.rms_eps)
+        hd = c.head_dim
+        inv = 1.0 / (c.rope_theta ** (torch.arange(0, hd, 2).float() / hd))
+        self.register_buffer("inv_freq", inv, persistent=False)
+
+    def init_from_target(self, target: Llama) -> None:
+        """Start the layers from the target's last layers (same hidden space), fc ~ mean of taps."""
+        with torch.no_grad():
+            src = target.layers[-self.c.num_layers :]
+            for mine, theirs in zip(self.layers, src, strict=True):
+                mine.load_state_dict(theirs.state_dict())
+            self.norm.weight.copy_(target.norm.weight)
+            n = len(self.c.target_layers)
+            eye = torch.eye(self.c.hidden_size) / n
+            self.fc.weight.copy_(torch.cat([eye] * n, dim=1))
+            self.mask_embedding.copy_(target.embed_tokens.weight.float().mean(0))
+
+    def rope(self, positions: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [B, T] -> cos/sin [B, 1, T, hd]."""
+        freqs = positions.float()[..., None] * self.inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None]
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    def project(self, taps: torch.Tensor) -> torch.Tensor:
+        """Concatenated target layer outputs [..., taps*H] -> context features [..., H]."""
+        return self.hidden_norm(_lin(taps, self.fc.weight))
+
+    def context_kv(self, feats: torch.Tensor, positions: torch.Tensor):
+        """Per layer (k, v) of context features [B, T, H] at positions [B, T]."""
+        cos, sin = self.rope(positions, feats.dtype)
+        return [layer.context_kv(feats, cos, sin) for layer in self.layers]
+
+    def blocks(self, block_emb, block_pos, ctx_kv, mask=None) -> torch.Tensor:
+        """Hidden states [B, Q, H] of block entries given per-layer context keys/values."""
+        cos, sin = self.rope(block_pos, block_emb.dtype)
+        x = block_emb
+        for layer, (k, v) in zip(self.layers, ctx_kv, strict=True):
+            x = layer(x, cos, sin, k, v, mask)
+        return self.norm(x)
+
+
+def save_dflash(model: DFlashModel, directory: Path, meta: dict | None = None) -> None:
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().to(torch.bfloat16).contiguous() for k, v in model.state_dict().items()}
+    save_file(state, directory / "model.safetensors")
+    doc = {"ddserve_dflash": {**asdict(model.c), "target_layers": list(model.c.target_layers)}}
+    if meta:
+        doc["training"] = meta
+    (directory / "config.json").write_text(json.dumps(doc, indent=1))
+
+
+def load_dflash(directory: Path | str) -> DFlashModel:
+    directory = Path(directory)
+    try:
+        raw = json.loads((directory / "config.json").read_text())["ddserve_dflash"]
+        c = DFlashConfig(**{**raw, "target_layers": tuple(raw["target_layers"])})
+        state = load_file(directory / "model.safetensors")
+    except (OSError, KeyError, TypeError, ValueError) as exc:
+        raise ConfigError(f"no DFlash drafter in {directory}: {exc}") from exc
+    model = DFlashModel(c)
+    model.load_state_dict({k: v.float() for k, v in state.items()})
+    return model.eval()
+
+
+@dataclass
+class _DFlashState:
+    keys: list[torch.Tensor] | None = None  # per layer [1, kvh, n, hd], positions start..start+n
+    values: list[torch.Tensor] | None = None
+    start: int = 0  # absolute position of the first cached context entry
+    length: int = 0
+
+
+class DFlashDrafter:
+    """Engine drafter over a `DFlashModel` and the target it was trained for."""
+
+    name = "dflash"
+
+    def __init__(self, draft: DFlashModel, target: Llama):
+        draft.c.check_target(target.cfg)
+        self.net = draft.to(device=target.device, dtype=target.dtype)
+        self.target = target
+        self.capture = draft.c.target_layers
+        self.block_size = draft.c.block_size
+
+    def new_state(self) -> _DFlashState:
+        return _DFlashState()
+
+    @torch.inference_mode()
+    def draft(self, state: _DFlashState, ctx: DraftContext, depth: int) -> torch.Tensor:
+        dev, d = self.target.device, self.net
+        root_pos = len(ctx.tokens) - 1
+        if ctx.target_hidden is not None and ctx.target_hidden.shape[0]:
+            self._extend(state, ctx.target_hidden)
+        if state.start + state.length != root_pos:
+            raise RuntimeError(
+                f"DFlash context covers {state.start + state.length} tokens, expected {root_pos}"
+            )
+        self._evict(state, max(0, state.length - ctx.window))
+        depth = min(depth, self.block_size)
+        emb = self.target.embed_tokens(torch.tensor([ctx.tokens[-1]], device=dev))
+        block = torch.cat([emb, d.mask_embedding.to(emb.dtype).expand(depth, -1)])[None]
+        pos = torch.arange(root_pos, root_pos + depth + 1, device=dev)[None]
+        kv = list(zip(state.keys, state.values, strict=True)) if state.keys else None
+        if kv is None:  # empty context: zero-length keys
+            c = d.c
+            empty = block.new_zeros(1, c.num_kv_heads, 0, c.head_dim)
+            kv = [(empty, empty)] * c.num_layers
+        hidden = d.blocks(block, pos, kv)[0, 1:]  # [depth, H]
+        logits = linear(hidden, self.target.lm_head.weight).float()
+        return torch.log_softmax(logits, dim=-1).cpu()
+
+    def _extend(self, state: _DFlashState, taps: torch.Tensor) -> None:
+        n = taps.shape[0]
+        first = state.start + state.length
+        pos = torch.arange(first, first + n, device=taps.device)[None]
+        new = self.net.context_kv(self.net.project(taps.to(self.target.dtype))[None], pos)
+        if state.keys is None:
+            state.keys = [k for k, _ in new]
+            state.values = [v for _, v in new]
+        else:
+            state.keys = [
+                torch.cat([a, k], dim=2) for a, (k, _) in zip(state.keys, new, strict=True)
+            ]
+            state.values = [
+                torch.cat([a, v], dim=2) for a, (_, v) in zip(state.values, new, strict=True)
+            ]
+        state.length += n
+
+    @staticmethod
+    def _evict(state: _DFlashState, n: int) -> None:
+        if n <= 0:
+            return
+        state.keys = [k[:, :, n:] for k in state.keys]
+        state.values = [v[:, :, n:] for v in state.values]
+        state.start += n
+        state.length -= n
+
+
+def block_weights(block_size: int, gamma: float) -> torch.Tensor:
+    """Loss weight per depth: earlier positions matter more (every accepted path starts there)."""
+    return torch.tensor([math.exp(-i / gamma) for i in range(block_size)])
