@@ -149,9 +149,16 @@ class DFlashModel(nn.Module):
         self.mask_embedding = nn.Parameter(torch.zeros(c.hidden_size))
         self.layers = nn.ModuleList(DraftLayer(c) for _ in range(c.num_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_eps)
-        hd = c.head_dim
-        inv = 1.0 / (c.rope_theta ** (torch.arange(0, hd, 2).float() / hd))
-        self.register_buffer("inv_freq", inv, persistent=False)
+        self.register_buffer("inv_freq", self._inv_freq(), persistent=False)
+
+    def _inv_freq(self) -> torch.Tensor:
+        hd = self.c.head_dim
+        return 1.0 / (self.c.rope_theta ** (torch.arange(0, hd, 2, device="cpu").float() / hd))
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        self.inv_freq = self._inv_freq().to(self.inv_freq.device)  # float32, like the target's
+        return self
 
     def init_from_target(self, target: Llama) -> None:
         """Start the layers from the target's last layers (same hidden space), fc ~ mean of taps."""

@@ -198,6 +198,13 @@ class Llama(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         self.register_buffer("inv_freq", self.rope_inv_freq(), persistent=False)
 
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        # RoPE frequencies stay float32 when the weights go to bf16 (rounding them would
+        # shift every angle by up to ~0.4%)
+        self.inv_freq = self.rope_inv_freq().to(self.inv_freq.device)
+        return self
+
     def rope_inv_freq(self) -> torch.Tensor:
         hd = self.cfg.head_dim
         return 1.0 / (self.cfg.rope_theta ** (torch.arange(0, hd, 2, device="cpu").float() / hd))

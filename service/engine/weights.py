@@ -167,9 +167,12 @@ def to_hf(model: Llama, dtype: torch.dtype | None = None):
     hf.load_state_dict(state, strict=False, assign=True)
     if cfg.tie_embeddings:
         hf.lm_head.weight = hf.model.embed_tokens.weight
-    hf.model.rotary_emb.inv_freq = model.inv_freq.clone().to(model.device)
+    hf.model.rotary_emb.inv_freq = model.rope_inv_freq()  # off the meta device
     hf.model.rotary_emb.original_inv_freq = hf.model.rotary_emb.inv_freq
     hf = hf.to(device=model.device, dtype=dtype or model.dtype)
+    # float32 RoPE frequencies, as in our forward (a dtype cast would have rounded them)
+    hf.model.rotary_emb.inv_freq = model.rope_inv_freq().to(model.device)
+    hf.model.rotary_emb.original_inv_freq = hf.model.rotary_emb.inv_freq
     return hf.eval()
 
 
