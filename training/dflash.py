@@ -209,8 +209,13 @@ def stage_train(args, lm, corpus, work: Path) -> DFlashModel:
     c = DFlashConfig.for_target(
         target.cfg, num_layers=args.layers, block_size=args.block, taps=args.taps, target=args.model
     )
-    draft = DFlashModel(c)
-    draft.init_from_target(target.float() if dev.type == "cpu" else target)
+    if args.init:
+        draft = load_dflash(args.init)  # continue from an earlier run
+        if draft.c != c:
+            raise SystemExit(f"--init {args.init}: its config differs from this run's: {draft.c}")
+    else:
+        draft = DFlashModel(c)
+        draft.init_from_target(target)
     draft = draft.to(dev).float().train()
     opt = torch.optim.AdamW(draft.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.01)
     weights = block_weights(c.block_size, args.gamma)
@@ -275,6 +280,7 @@ def stage_train(args, lm, corpus, work: Path) -> DFlashModel:
         "gamma": args.gamma,
         "final_loss_ema": loss_ema,
         "command": " ".join(["python -m training.dflash", *sys.argv[1:]]),
+        "init": args.init,
     }
     save_dflash(draft, out_dir, meta)
     log(stage="train", done=True, **meta)
@@ -282,7 +288,7 @@ def stage_train(args, lm, corpus, work: Path) -> DFlashModel:
 
 
 @torch.inference_mode()
-def stage_eval(args, lm, draft: DFlashModel, work: Path) -> dict:
+def stage_eval(args, lm, draft: DFlashModel, work: Path, corpus=None) -> dict:
     """Per-depth agreement: the drafter's top-1 at depth d vs the target's greedy token there,
     on greedy continuations of held-out prompts (teacher-forced context)."""
     path = work / "heldout.pt"
@@ -309,28 +315,44 @@ def stage_eval(args, lm, draft: DFlashModel, work: Path) -> dict:
     hf = to_hf(lm.model)
     draft = draft.to(dev).eval()
     c = draft.c
-    hits, blocks = torch.zeros(c.block_size), 0.0
-    rng = random.Random(1)
-    for i in range(0, len(held), 8):
-        ids, anchors, valid = make_batch(held[i : i + 8], 64, c.block_size, args.max_len, rng, 0)
-        ids, anchors, valid = ids.to(dev), anchors.to(dev), valid.to(dev)
-        taps = target_taps(hf, ids, c.target_layers)
-        with _autocast(dev):
-            _, hit, nblk = draft_loss(
-                draft, lm.model, ids, anchors, valid, taps, block_weights(c.block_size, args.gamma)
+
+    def agreement(seqs):
+        hits, blocks = torch.zeros(c.block_size), 0.0
+        rng = random.Random(1)
+        for i in range(0, len(seqs), 8):
+            ids, anchors, valid = make_batch(
+                seqs[i : i + 8], 64, c.block_size, args.max_len, rng, 0
             )
-        hits += hit.cpu()
-        blocks += float(nblk)
-    acc = (hits / max(blocks, 1)).tolist()
+            ids, anchors, valid = ids.to(dev), anchors.to(dev), valid.to(dev)
+            taps = target_taps(hf, ids, c.target_layers)
+            with _autocast(dev):
+                _, hit, nblk = draft_loss(
+                    draft,
+                    lm.model,
+                    ids,
+                    anchors,
+                    valid,
+                    taps,
+                    block_weights(c.block_size, args.gamma),
+                )
+            hits += hit.cpu()
+            blocks += float(nblk)
+        return (hits / max(blocks, 1)).tolist(), int(blocks)
+
+    acc, blocks = agreement(held)
     # expected accepted drafts of a single chain if depth errors were independent
     chain = sum(math.prod(acc[: d + 1]) for d in range(len(acc)))
     res = {
         "heldout_sequences": len(held),
-        "blocks": int(blocks),
+        "blocks": blocks,
         "agreement_by_depth": [round(a, 4) for a in acc],
         "next_token_agreement": round(acc[0], 4),
         "cumulative_agreement_chain": round(chain, 3),
     }
+    if corpus:  # the same measure on greedy training sequences: the over-fitting gap
+        seen = [s for s in corpus[: len(corpus) // max(1, len(args.temperatures))]][::50][:48]
+        tacc, _ = agreement(seen)
+        res["train_distribution_agreement_by_depth"] = [round(a, 4) for a in tacc]
     (work / "eval.json").write_text(json.dumps(res, indent=1))
     log(stage="eval", **res)
     return res
@@ -364,6 +386,7 @@ def main(argv=None) -> int:
     ap.add_argument("--log-every", type=int, default=25)
     ap.add_argument("--ckpt-every", type=int, default=200)
     ap.add_argument("--retrain", action="store_true")
+    ap.add_argument("--init", help="start from this trained drafter directory")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -377,7 +400,7 @@ def main(argv=None) -> int:
         stage_train(args, lm, corpus, work) if "train" in stages else load_dflash(work / "drafter")
     )
     if "eval" in stages:
-        stage_eval(args, lm, draft, work)
+        stage_eval(args, lm, draft, work, corpus)
     if args.out:
         import shutil
 

@@ -5,11 +5,18 @@ Two sources, both offline:
     multiple of 4 train; the rest (41) and bench/prompts.py's chat prompts are held out.
   * A chat set written for ddserve: task templates x subjects (explanations, lists, code in
     several languages, rewriting, summaries, recipes, comparisons, Q&A), seeded shuffle.
+  * Requests built from Python 3.11 standard-library docstrings (PSF licence; explain,
+    summarise, write a program / tests): training/data/stdlib_prompts.jsonl.gz, made by
+    `python -m training.build_prompts`. The templated set alone over-fitted: 79% next-token
+    agreement on prompts like the training ones, 33% on held-out ones (bench/NOTES.md).
 """
 
 from __future__ import annotations
 
+import gzip
+import json
 import random
+from pathlib import Path
 
 from bench.humaneval import humaneval_problems
 from bench.prompts import CHAT_PROMPTS
@@ -120,12 +127,22 @@ SENTENCES = [
 ]
 
 
-def training_prompts(n: int, seed: int = 0) -> list[str]:
+STDLIB = Path(__file__).parent / "data" / "stdlib_prompts.jsonl.gz"
+
+
+def stdlib_prompts() -> list[str]:
+    with gzip.open(STDLIB, "rt") as f:
+        return [json.loads(line)["prompt"] for line in f if line.strip()]
+
+
+def training_prompts(n: int, seed: int = 0, stdlib: bool = True) -> list[str]:
     """Up to `n` distinct prompts: all training HumanEval problems and code tasks, then the
-    templated chat set, shuffled with `seed`."""
+    templated chat set and the stdlib set, shuffled with `seed`."""
     rng = random.Random(seed)
     chat = [t.format(s=s.strip()) for t in TASKS for s in SUBJECTS]
     chat += [t.format(t=s) for t in REWRITE for s in SENTENCES]
+    if stdlib:
+        chat += stdlib_prompts()
     rng.shuffle(chat)
     he = [
         "Complete this Python function. Reply with the full function only.\n\n" + p["prompt"]
