@@ -55,6 +55,7 @@ ENGINE_FLAGS = {
     "--top-k": ("params.top_k", int, "default top-k filter, 0 = off"),
     "--max-context": ("max_context", int, "longest prompt + completion (default: the model's)"),
     "--device": ("device", str, "auto | cpu | cuda"),
+    "--max-batch": ("max_batch", int, "requests verified together per round (default 32)"),
     "--dtype": ("dtype", str, "auto | float32 | bfloat16 | float16"),
 }
 
@@ -189,6 +190,9 @@ def main(argv: list[str] | None = None) -> int:
     from systemd import cli as systemd_cli
 
     systemd_cli.add_parsers(sub, cli_serve.DEFAULT_CONFIG)
+    from bench import cli as bench_cli
+
+    bench_cli.add_parsers(sub)
     a = parser.parse_args(argv)
     logging.basicConfig(
         level=getattr(a, "log_level", "warning").upper(),
@@ -203,6 +207,8 @@ def main(argv: list[str] | None = None) -> int:
             return reconfig_cli.dispatch(a)
         elif a.command == "systemd":
             return systemd_cli.dispatch(a)
+        elif a.command == "bench":
+            return bench_cli.dispatch(a)
         else:
             return cli_serve.dispatch(a)
     except DDServeError as exc:

@@ -172,6 +172,12 @@ class EngineConfig(_Frozen):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="auto = float32 on CPU, bfloat16 on GPU."
     )
+    max_batch: int = Field(
+        32,
+        ge=1,
+        le=1024,
+        description="Requests verified together in one target forward per round (continuous batching).",
+    )
 
     @model_validator(mode="after")
     def _engine_rules(self) -> EngineConfig:

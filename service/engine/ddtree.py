@@ -102,17 +102,26 @@ class DDTreeEngine:
         ctx = DraftContext(seq.tokens, params.window, hidden)
         return self.drafter.draft(seq.draft_state, ctx, depth)
 
-    def verify(self, seq: Sequence, tree: Tree) -> torch.Tensor:
-        """Target logits at every node [n+1, V]; writes their KV as pending cache entries.
-        With a capturing drafter, the nodes' tapped layer outputs go to `seq.tree_hidden`."""
+    def verify(self, seqs: list[Sequence], trees: list[Tree]) -> list[torch.Tensor]:
+        """One target forward over every sequence's tree (packed; each sees its own cache
+        under its own tree mask): logits at every node [n_i+1, V] per sequence; their KV
+        become pending cache entries. A capturing drafter's tapped layer outputs go to
+        `seq.tree_hidden`."""
         dev = self.model.device
-        toks = torch.tensor(tree.tokens, device=dev)
-        pos = seq.cache.next_pos + torch.tensor(tree.depths, device=dev)
-        logits = self.model(toks, pos, seq.cache, tree_mask(tree, dev), capture=self.capture)
-        if self.capture:
-            logits, seq.tree_hidden = logits
-        if not torch.isfinite(logits).all():
-            raise EngineError("the target produced non-finite logits (broken weights?)")
+        toks = [torch.tensor(t.tokens, device=dev) for t in trees]
+        pos = [
+            s.cache.next_pos + torch.tensor(t.depths, device=dev)
+            for s, t in zip(seqs, trees, strict=True)
+        ]
+        masks = [tree_mask(t, dev) for t in trees]
+        logits, hidden = self.model.forward_batch(
+            toks, pos, [s.cache for s in seqs], masks, capture=self.capture
+        )
+        for i, seq in enumerate(seqs):
+            if hidden is not None:
+                seq.tree_hidden = hidden[i]
+            if not torch.isfinite(logits[i]).all():
+                raise EngineError("the target produced non-finite logits (broken weights?)")
         return logits
 
     @staticmethod
@@ -156,23 +165,36 @@ class DDTreeEngine:
 
     @torch.inference_mode()
     def step(self, seq: Sequence, params: LiveParams) -> list[int]:
-        """One round: draft, build the tree, verify, accept, commit. Returns new tokens."""
-        t0 = time.perf_counter()
-        logprobs = self.draft(seq, params)
-        tree = build_tree(seq.tokens[-1], logprobs, params.budget, params.topk)
+        """One round of one sequence (see `step_batch`). Returns its new tokens."""
+        return self.step_batch([seq], params)[0]
+
+    @torch.inference_mode()
+    def step_batch(self, seqs: list[Sequence], params: LiveParams) -> list[list[int]]:
+        """One round of every sequence: draft and build each tree, verify all trees in one
+        target forward, then accept and commit per sequence. Returns each one's new tokens.
+        Per-request stats: its own draft time, and the shared verify's wall time."""
+        trees, draft_s = [], []
+        for seq in seqs:
+            t0 = time.perf_counter()
+            logprobs = self.draft(seq, params)
+            trees.append(build_tree(seq.tokens[-1], logprobs, params.budget, params.topk))
+            draft_s.append(time.perf_counter() - t0)
         t1 = time.perf_counter()
-        logits = self.verify(seq, tree)
-        targets = target_tokens(logits, seq.sampling, seq.generator).tolist()
-        path, bonus = self.accept(tree, targets)
-        new = self.commit(seq, tree, path, bonus)
+        logits = self.verify(seqs, trees)
+        out = []
+        for seq, tree, lg in zip(seqs, trees, logits, strict=True):
+            targets = target_tokens(lg, seq.sampling, seq.generator).tolist()
+            path, bonus = self.accept(tree, targets)
+            out.append(self.commit(seq, tree, path, bonus))
         t2 = time.perf_counter()
-        st = seq.stats
-        st.draft_s += t1 - t0
-        st.verify_s += t2 - t1
-        st.verify_rounds += 1
-        st.completion_tokens += len(new)
-        st.accept_lengths.append(len(new))
-        return new
+        for seq, new, d in zip(seqs, out, draft_s, strict=True):
+            st = seq.stats
+            st.draft_s += d
+            st.verify_s += t2 - t1
+            st.verify_rounds += 1
+            st.completion_tokens += len(new)
+            st.accept_lengths.append(len(new))
+        return out
 
     def generate(self, prompt: list[int], sampling: SamplingParams, params: LiveParams) -> Sequence:
         """Run one request to completion (tests, benchmarks; the server uses `step`)."""

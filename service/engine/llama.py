@@ -158,8 +158,11 @@ class Block(nn.Module):
         self.input_layernorm = RMSNorm(h, cfg.rms_eps)
         self.post_attention_layernorm = RMSNorm(h, cfg.rms_eps)
 
-    def forward(self, x, cos, sin, cache: KVCache, layer: int, mask):
-        # x: [N, H]  cos/sin: [N, hd]  mask: [N, length+N] bool (True = attend)
+    def forward(self, x, cos, sin, caches: list[KVCache], layer: int, masks, sizes: list[int]):
+        """x: [N, H] = the new tokens of len(caches) sequences packed back to back (`sizes`
+        rows each); cos/sin: [N, hd]; masks[i]: [n_i, length_i + n_i] bool (True = attend).
+        Projections and MLP run once over all rows (the weights are read once per step);
+        attention runs per sequence over its own cache."""
         cfg = self.cfg
         n = x.shape[0]
         h = self.input_layernorm(x)
@@ -167,9 +170,18 @@ class Block(nn.Module):
         k = linear(h, self.k_proj.weight).view(n, cfg.num_kv_heads, cfg.head_dim).transpose(0, 1)
         v = linear(h, self.v_proj.weight).view(n, cfg.num_kv_heads, cfg.head_dim).transpose(0, 1)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        keys, values = cache.write(layer, k, v)
-        # q: [heads, N, hd]  keys/values: [kv_heads, T, hd]  mask: [N, T]
-        att = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
+        if len(caches) == 1:
+            parts = [(q, k, v)]
+        else:
+            parts = zip(q.split(sizes, 1), k.split(sizes, 1), v.split(sizes, 1), strict=True)
+        outs = []
+        for (qi, ki, vi), cache, mask in zip(parts, caches, masks, strict=True):
+            keys, values = cache.write(layer, ki, vi)
+            # qi: [heads, n_i, hd]  keys/values: [kv_heads, T_i, hd]  mask: [n_i, T_i]
+            outs.append(
+                F.scaled_dot_product_attention(qi, keys, values, attn_mask=mask, enable_gqa=True)
+            )
+        att = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
         att = att.transpose(0, 1).reshape(n, cfg.num_heads * cfg.head_dim)
         x = x + linear(att, self.o_proj.weight)
         h = self.post_attention_layernorm(x)
@@ -251,23 +263,56 @@ class Llama(nn.Module):
         returns the outputs of those layers for every new token, concatenated: [N, len*H]
         (what a DFlash drafter is conditioned on; no extra target pass).
         """
-        n = tokens.shape[0]
-        cache.reserve(n)
-        if mask is None:
-            mask = torch.ones(n, n, dtype=torch.bool, device=self.device).tril_()
-        full = torch.ones(n, cache.length + n, dtype=torch.bool, device=self.device)
-        full[:, cache.length :] = mask
-        cos, sin = self.rope(positions)
-        x = self.embed_tokens(tokens)
+        out = self.forward_batch(
+            [tokens],
+            [positions],
+            [cache],
+            [mask],
+            num_layers=num_layers,
+            capture=capture,
+            last_only=last_only,
+        )
+        return out[0][0] if not capture else (out[0][0], out[1][0])
+
+    @torch.inference_mode()
+    def forward_batch(
+        self,
+        tokens: list[torch.Tensor],
+        positions: list[torch.Tensor],
+        caches: list[KVCache],
+        masks: list[torch.Tensor | None],
+        *,
+        num_layers: int | None = None,
+        capture: tuple[int, ...] = (),
+        last_only: bool = False,
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+        """`forward` for several sequences in one pass (their new tokens packed, each with
+        its own cache and mask): (logits per sequence, captured layer outputs per sequence)."""
+        sizes = [t.shape[0] for t in tokens]
+        fulls = []
+        for n, cache, mask in zip(sizes, caches, masks, strict=True):
+            cache.reserve(n)
+            if mask is None:
+                mask = torch.ones(n, n, dtype=torch.bool, device=self.device).tril_()
+            full = torch.ones(n, cache.length + n, dtype=torch.bool, device=self.device)
+            full[:, cache.length :] = mask
+            fulls.append(full)
+        one = len(tokens) == 1
+        cos, sin = self.rope(positions[0] if one else torch.cat(positions))
+        x = self.embed_tokens(tokens[0] if one else torch.cat(tokens))
         layers = self.layers if num_layers is None else self.layers[:num_layers]
         taps = []
         for i, block in enumerate(layers):
-            x = block(x, cos, sin, cache, i, full)
+            x = block(x, cos, sin, caches, i, fulls, sizes)
             if i in capture:
                 taps.append(x)
-        if last_only:
-            x = x[-1:]
+        if last_only:  # the last row of every sequence
+            ends = torch.tensor(sizes, device=x.device).cumsum(0) - 1
+            x = x[ends]
+            sizes = [1] * len(sizes)
         logits = linear(self.norm(x), self.lm_head.weight).float()
-        if capture:
-            return logits, torch.cat(taps, dim=-1)
-        return logits
+        per_seq = [logits] if one else list(logits.split(sizes))
+        if not capture:
+            return per_seq, None
+        hidden = torch.cat(taps, dim=-1)
+        return per_seq, [hidden] if one else list(hidden.split([t.shape[0] for t in tokens]))

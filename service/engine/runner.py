@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -242,27 +243,50 @@ class EngineRunner:
                 self._active.extend(self._pending)
                 self._pending.clear()
                 active = list(self._active)
-            for req in active:
+            size = self.config.max_batch
+            for start in range(0, len(active), size):
                 with self._cv:
                     params, fingerprint = self.config.params, self._fingerprint
-                self._run_round(req, params, fingerprint)
+                self._run_round(active[start : start + size], params, fingerprint)
             with self._cv:
                 self._active = [r for r in self._active if not (r.cancelled or r.seq.finished)]
 
-    def _run_round(self, req: _Request, params: LiveParams, fingerprint: str) -> None:
-        if req.cancelled:
-            return
-        seq = req.seq
-        try:
+    def _run_round(self, reqs: list[_Request], params: LiveParams, fingerprint: str) -> None:
+        """One round of every request in `reqs`, their trees verified in one forward. New
+        requests are prefilled first (continuous batching: join and leave between rounds)."""
+        ready = []
+        for req in reqs:
+            if req.cancelled:
+                continue
             if not req.prefilled:
-                self.engine.prefill(seq)
+                try:
+                    self.engine.prefill(req.seq)
+                except Exception as exc:
+                    self._fail(req, exc)
+                    continue
                 req.prefilled = True
-            new = self.engine.step(seq, params)
-        except Exception as exc:  # torch errors and EngineError alike end this request only
-            log.exception("request failed in the engine")
-            err = exc if isinstance(exc, EngineError) else EngineError(f"engine failure: {exc}")
-            seq.finish_reason = "error"
-            req.deliver(err)
+            ready.append(req)
+        if not ready:
             return
-        done = seq.finished
-        req.deliver(StepOutput(new, done, seq.finish_reason, fingerprint, seq.stats))
+        try:
+            news = self.engine.step_batch([r.seq for r in ready], params)
+        except Exception:
+            if len(ready) == 1:
+                self._fail(ready[0], sys.exc_info()[1])
+                return
+            # nothing was committed: run them one by one so only the failing one ends
+            log.warning("batched round failed; retrying its %d requests one by one", len(ready))
+            for req in ready:
+                self._run_round([req], params, fingerprint)
+            return
+        for req, new in zip(ready, news, strict=True):
+            seq = req.seq
+            req.deliver(StepOutput(new, seq.finished, seq.finish_reason, fingerprint, seq.stats))
+
+    @staticmethod
+    def _fail(req: _Request, exc: BaseException) -> None:
+        """Torch errors and EngineError alike end this request only."""
+        log.error("request failed in the engine: %s", exc, exc_info=exc)
+        err = exc if isinstance(exc, EngineError) else EngineError(f"engine failure: {exc}")
+        req.seq.finish_reason = "error"
+        req.deliver(err)
