@@ -25,7 +25,7 @@ import torch
 from bench.prompts import CHAT_PROMPTS
 from service.config import LiveParams
 from service.engine.ddtree import DDTreeEngine
-from service.engine.dflash import BUILTIN, DFlashDrafter, load_dflash
+from service.engine.dflash import BUILTIN, DFlashDrafter, load_dflash, load_draft_vocab
 from service.engine.drafters import ModelDrafter, NGramDrafter, NoDrafter
 from service.engine.sampling import SamplingParams
 from service.engine.weights import load_model
@@ -38,7 +38,13 @@ REGISTRY = {
     "ngram-b16k4": ("ngram", 16, 4),
     "ngram-b8k1": ("ngram", 8, 1),
     "layer-skip12-b6k2": ("layer-skip", 6, 2),  # ~5x slower than AR on CPU: opt-in
+    "dflash-full-b4k1": ("dflash-fullvocab", 4, 1),  # without the draft vocabulary subset
+    "dflash-full-b8k2": ("dflash-fullvocab", 8, 2),
+    "dflash-b2k1": ("dflash", 2, 1),
+    "dflash-b3k1": ("dflash", 3, 1),
     "dflash-b4k1": ("dflash", 4, 1),
+    "dflash-b6k1": ("dflash", 6, 1),
+    "dflash-b4k2": ("dflash", 4, 2),
     "dflash-b8k1": ("dflash", 8, 1),
     "dflash-b8k2": ("dflash", 8, 2),
     "dflash-b16k4": ("dflash", 16, 4),
@@ -56,7 +62,9 @@ def make_drafter(kind: str, m, dflash_dir: str | None):
         return NGramDrafter(m.cfg.vocab_size)
     if kind == "layer-skip":
         return ModelDrafter(m, 12, "layer-skip")
-    return DFlashDrafter(load_dflash(dflash_dir or BUILTIN["smollm2-135m"]), m)
+    path = dflash_dir or BUILTIN["smollm2-135m"]
+    vocab = None if kind == "dflash-fullvocab" else load_draft_vocab(path)
+    return DFlashDrafter(load_dflash(path), m, vocab)
 
 
 def prompt_set(name: str) -> list[str]:

@@ -1,6 +1,9 @@
 """Hugging Face generation next to our engine on one GPU, and the physical floors.
 
     python -m bench.gpu_compare [--model smollm2-135m] [--max-tokens 128] [--out DIR]
+        [--device cuda|cpu] [--skip NAME,...] [--name gpu_compare]
+
+On CPU (fp32) the floors and the profile are skipped (they are CUDA measurements).
 
 Same weights (our converted model handed to transformers with `to_hf`), same chat prompts,
 bf16, greedy, one request at a time unless said. Measures:
@@ -165,17 +168,25 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--skip", default="", help="comma list of measurements to skip")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--name", default="gpu_compare")
     a = ap.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     skip = set(a.skip.split(","))
-    lm = load_model(a.model, "cuda", torch.bfloat16)
+    cuda = a.device == "cuda"
+    if not cuda:
+        skip |= {"floors", "our_ar_profile"}
+    dtype = torch.bfloat16 if cuda else torch.float32
+    lm = load_model(a.model, a.device, dtype)
     tok = lm.tokenizer
     prompts = chat(tok, CHAT_PROMPTS)
-    hf = to_hf(lm.model, torch.bfloat16)
+    hf = to_hf(lm.model, dtype)
     hf.generation_config.pad_token_id = tok.pad_token_id or lm.model.cfg.eos_token_ids[0]
     res = {
         "model": a.model,
-        "gpu": torch.cuda.get_device_name(),
+        "device": torch.cuda.get_device_name()
+        if cuda
+        else f"cpu, {torch.get_num_threads()} threads",
         "torch": torch.__version__,
         "max_new_tokens": a.max_tokens,
         "prompts": len(prompts),
@@ -196,13 +207,14 @@ def main() -> None:
         print(name, json.dumps(res[name]), flush=True)
 
     record("floors", lambda: {"copy_bytes_per_s": copy_bandwidth()})
-    bw = res["floors"].get("copy_bytes_per_s")
-    weight_bytes = sum(p.numel() * p.element_size() for p in lm.model.parameters())
-    res["floors"]["weight_bytes"] = weight_bytes
-    if bw:
-        res["floors"]["weight_read_ms"] = round(weight_bytes / bw * 1e3, 4)
+    if cuda:
+        bw = res["floors"].get("copy_bytes_per_s")
+        weight_bytes = sum(p.numel() * p.element_size() for p in lm.model.parameters())
+        res["floors"]["weight_bytes"] = weight_bytes
+        if bw:
+            res["floors"]["weight_read_ms"] = round(weight_bytes / bw * 1e3, 4)
     record("our_ar_profile", lambda: our_step_profile(lm, prompts[0]))
-    nk = res["our_ar_profile"].get("kernels_per_step")
+    nk = res.get("our_ar_profile", {}).get("kernels_per_step")
     if nk:
         res["floors"]["graph_launch_floor_ms"] = round(graph_launch_floor(nk) * 1e3, 4)
     record("hf_eager", lambda: hf_single(hf, prompts, a.max_tokens))
@@ -213,7 +225,7 @@ def main() -> None:
 
     def static():
         t0 = time.perf_counter()
-        ids0 = torch.tensor([prompts[0]], device="cuda")
+        ids0 = torch.tensor([prompts[0]], device=a.device)
         for _ in range(2):  # compile + cudagraph warm-up
             hf.generate(
                 ids0, max_new_tokens=a.max_tokens, do_sample=False, cache_implementation="static"
@@ -228,14 +240,15 @@ def main() -> None:
     record("hf_eager_batch64", lambda: hf_batch(hf, (prompts * 8)[:64], a.max_tokens, pad))
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "gpu_compare.json").write_text(json.dumps(res, indent=1))
+    (out / f"{a.name}.json").write_text(json.dumps(res, indent=1))
     print(f"\n{'measurement':22s} {'tok/s':>10s}")
     for k in ("hf_eager", "hf_static_compile", "hf_prompt_lookup", "hf_eager_batch64"):
         if k in res:
             print(f"{k:22s} {res[k].get('tok_s', res[k].get('error', ''))!s:>10s}")
-    print(
-        "floors", json.dumps(res["floors"]), "our AR profile", json.dumps(res.get("our_ar_profile"))
-    )
+    if cuda:
+        print(
+            "floors", json.dumps(res["floors"]), "our AR profile", json.dumps(res["our_ar_profile"])
+        )
 
 
 if __name__ == "__main__":

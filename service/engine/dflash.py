@@ -207,6 +207,12 @@ def save_dflash(model: DFlashModel, directory: Path, meta: dict | None = None) -
     (directory / "config.json").write_text(json.dumps(doc, indent=1))
 
 
+def load_draft_vocab(directory: Path | str) -> torch.Tensor | None:
+    """The drafter's vocabulary subset (training/draft_vocab.py), if the directory has one."""
+    path = Path(directory) / "draft_vocab.safetensors"
+    return load_file(path)["token_ids"].long() if path.exists() else None
+
+
 def load_dflash(directory: Path | str) -> DFlashModel:
     directory = Path(directory)
     try:
@@ -233,12 +239,19 @@ class DFlashDrafter:
 
     name = "dflash"
 
-    def __init__(self, draft: DFlashModel, target: Llama):
+    def __init__(self, draft: DFlashModel, target: Llama, vocab: torch.Tensor | None = None):
         draft.c.check_target(target.cfg)
         self.net = draft.to(device=target.device, dtype=target.dtype)
         self.target = target
         self.capture = draft.c.target_layers
         self.block_size = draft.c.block_size
+        # optional vocabulary subset: the LM head rows the drafter may propose
+        self.vocab = vocab
+        self.head = target.lm_head.weight
+        if vocab is not None:
+            if vocab.numel() == 0 or int(vocab.max()) >= target.cfg.vocab_size:
+                raise ConfigError("the DFlash draft vocabulary has ids outside the target's")
+            self.head = target.lm_head.weight[vocab.to(target.device)].contiguous()
 
     def new_state(self) -> _DFlashState:
         return _DFlashState()
@@ -264,8 +277,12 @@ class DFlashDrafter:
             empty = block.new_zeros(1, c.num_kv_heads, 0, c.head_dim)
             kv = [(empty, empty)] * c.num_layers
         hidden = d.blocks(block, pos, kv)[0, 1:]  # [depth, H]
-        logits = linear(hidden, self.target.lm_head.weight).float()
-        return torch.log_softmax(logits, dim=-1).cpu()
+        logp = torch.log_softmax(linear(hidden, self.head).float(), dim=-1).cpu()
+        if self.vocab is None:
+            return logp
+        out = torch.full((depth, self.target.cfg.vocab_size), float("-inf"))
+        out[:, self.vocab] = logp
+        return out
 
     def _extend(self, state: _DFlashState, taps: torch.Tensor) -> None:
         n = taps.shape[0]

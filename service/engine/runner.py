@@ -82,7 +82,7 @@ def build_drafter(
     if d.kind == "ngram":
         return NGramDrafter(target.model.cfg.vocab_size, d.ngram_max, d.ngram_min)
     if d.kind == "dflash":
-        from service.engine.dflash import BUILTIN, DFlashDrafter, load_dflash
+        from service.engine.dflash import BUILTIN, DFlashDrafter, load_dflash, load_draft_vocab
 
         path = d.dflash_path or BUILTIN.get(config.model)
         if path is None:
@@ -91,7 +91,7 @@ def build_drafter(
                 param="drafter.dflash_path",
             )
         try:
-            return DFlashDrafter(load_dflash(path), target.model)
+            return DFlashDrafter(load_dflash(path), target.model, load_draft_vocab(path))
         except ConfigError as exc:
             raise InvalidRequest(str(exc), param="drafter.dflash_path") from exc
     if d.kind == "layer-skip":

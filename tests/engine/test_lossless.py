@@ -9,7 +9,14 @@ from scipy.stats import chisquare
 
 from service.config import LiveParams
 from service.engine.ddtree import DDTreeEngine
-from service.engine.dflash import DFlashConfig, DFlashDrafter, DFlashModel
+from service.engine.dflash import (
+    BUILTIN,
+    DFlashConfig,
+    DFlashDrafter,
+    DFlashModel,
+    load_dflash,
+    load_draft_vocab,
+)
 from service.engine.drafters import ModelDrafter, NGramDrafter, NoDrafter
 from service.engine.sampling import SamplingParams
 from service.engine.weights import load_model, random_llama, tiny_config
@@ -81,6 +88,8 @@ def test_eos_and_max_tokens_are_exact(tiny):
 def test_greedy_equals_autoregressive_smollm2():
     lm = load_model("smollm2-135m")
     m, tok = lm.model, lm.tokenizer
+    vocab = load_draft_vocab(BUILTIN["smollm2-135m"])
+    assert vocab is not None
     prompts = [
         tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True)[
             "input_ids"
@@ -96,6 +105,9 @@ def test_greedy_equals_autoregressive_smollm2():
             (NGramDrafter(m.cfg.vocab_size), 8, 4, 2048),
             (NGramDrafter(m.cfg.vocab_size), 16, 1, 32),
             (ModelDrafter(m, 10), 6, 2, 2048),
+            # the trained block drafter bundled for this model, with its draft vocabulary
+            (DFlashDrafter(load_dflash(BUILTIN["smollm2-135m"]), m, vocab), 3, 1, 2048),
+            (DFlashDrafter(load_dflash(BUILTIN["smollm2-135m"]), m, None), 16, 4, 24),
         ]:
             seq = DDTreeEngine(m, drafter, 8, m.cfg.eos_token_ids).generate(
                 prompt,
