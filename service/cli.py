@@ -128,11 +128,6 @@ def run_engine(a: argparse.Namespace) -> None:
         raise ConfigError(
             "`ddserve engine` runs the builtin engine; an sglang engine is started by its replica (`ddserve up`) or by SGLang's own launcher"
         )
-    torch_threads = os.environ.get("DDSERVE_THREADS")
-    if torch_threads:
-        import torch
-
-        torch.set_num_threads(int(torch_threads))
     runner = EngineRunner(config)
     runner.start()
     app = create_app(LocalBackend(runner), admin_token=a.admin_token)

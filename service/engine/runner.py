@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import sys
 import threading
 import time
@@ -47,12 +48,18 @@ class StepOutput:
 
 
 class _Request:
-    def __init__(self, seq: Sequence, loop: asyncio.AbstractEventLoop):
-        self.seq = seq
+    def __init__(self, prompt: list[int], sampling: SamplingParams, loop):
+        self.prompt, self.sampling = prompt, sampling
+        self.seq: Sequence | None = None  # made by the worker thread
+        self.failed = False
         self.loop = loop
         self.queue: asyncio.Queue = asyncio.Queue()
         self.cancelled = False
         self.prefilled = False
+
+    @property
+    def finished(self) -> bool:
+        return self.failed or (self.seq is not None and self.seq.finished)
 
     def deliver(self, item) -> None:
         try:
@@ -128,7 +135,43 @@ class EngineRunner:
 
     # -- lifecycle --------------------------------------------------------------------
     def start(self) -> None:
+        """Load, warm up and serve, all torch work in the worker thread: on CPU, torch's
+        parallel regions run 2-5x slower from a thread once another thread has run some
+        (libgomp keeps one pool per thread; measured on this 2-core VM: a DDTree round 44 ms
+        in the only torch thread, 75 ms in a second one). Returns once the engine is ready;
+        load errors are raised here."""
         t0 = time.perf_counter()
+        ready, failed = threading.Event(), []
+
+        def worker() -> None:
+            try:
+                threads = os.environ.get("DDSERVE_THREADS")
+                if threads:
+                    torch.set_num_threads(int(threads))
+                self._load()
+            except BaseException as exc:
+                failed.append(exc)
+                return
+            finally:
+                ready.set()
+            self._loop()
+
+        self._thread = threading.Thread(target=worker, name="ddtree-worker", daemon=True)
+        self._thread.start()
+        ready.wait()
+        if failed:
+            raise failed[0]
+        self.load_s = time.perf_counter() - t0
+        self.started_at = time.time()
+        log.info(
+            "engine ready in %.1fs: model=%s drafter=%s fingerprint=%s",
+            self.load_s,
+            self.config.model,
+            self.engine.drafter.name,
+            self._fingerprint,
+        )
+
+    def _load(self) -> None:
         device, dtype = resolve_device(self.config)
         loaded = self._loaded or load_model(self.config.model, device, dtype)
         model = loaded.model.to(device=device, dtype=dtype)
@@ -141,17 +184,6 @@ class EngineRunner:
         self._fingerprint = self.config.fingerprint()
         self.engine.generate(
             [model.cfg.bos_token_id or 0], SamplingParams(max_tokens=2), self.config.params
-        )
-        self._thread = threading.Thread(target=self._loop, name="ddtree-worker", daemon=True)
-        self._thread.start()
-        self.load_s = time.perf_counter() - t0
-        self.started_at = time.time()
-        log.info(
-            "engine ready in %.1fs: model=%s drafter=%s fingerprint=%s",
-            self.load_s,
-            self.config.model,
-            drafter.name,
-            self._fingerprint,
         )
 
     def shutdown(self) -> None:
@@ -195,7 +227,8 @@ class EngineRunner:
         vocab = self.engine.model.cfg.vocab_size
         if any(not 0 <= t < vocab for t in prompt):
             raise InvalidRequest(f"token ids must be in [0, {vocab})", param="input_ids")
-        req = _Request(self.engine.new_sequence(prompt, sampling), asyncio.get_running_loop())
+        # the worker makes the sequence (its KV cache is a torch allocation: keep torch there)
+        req = _Request(prompt, sampling, asyncio.get_running_loop())
         with self._cv:
             self._pending.append(req)
             self._cv.notify()
@@ -249,7 +282,7 @@ class EngineRunner:
                     params, fingerprint = self.config.params, self._fingerprint
                 self._run_round(active[start : start + size], params, fingerprint)
             with self._cv:
-                self._active = [r for r in self._active if not (r.cancelled or r.seq.finished)]
+                self._active = [r for r in self._active if not (r.cancelled or r.finished)]
 
     def _run_round(self, reqs: list[_Request], params: LiveParams, fingerprint: str) -> None:
         """One round of every request in `reqs`, their trees verified in one forward. New
@@ -260,6 +293,7 @@ class EngineRunner:
                 continue
             if not req.prefilled:
                 try:
+                    req.seq = self.engine.new_sequence(req.prompt, req.sampling)
                     self.engine.prefill(req.seq)
                 except Exception as exc:
                     self._fail(req, exc)
@@ -288,5 +322,7 @@ class EngineRunner:
         """Torch errors and EngineError alike end this request only."""
         log.error("request failed in the engine: %s", exc, exc_info=exc)
         err = exc if isinstance(exc, EngineError) else EngineError(f"engine failure: {exc}")
-        req.seq.finish_reason = "error"
+        if req.seq is not None:
+            req.seq.finish_reason = "error"
+        req.failed = True
         req.deliver(err)
