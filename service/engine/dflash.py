@@ -31,7 +31,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from service.engine.drafters import DraftContext
-from service.engine.llama import Llama, LlamaConfig, RMSNorm, apply_rope, linear
+from service.engine.llama import Block, Llama, LlamaConfig, RMSNorm, apply_rope, linear
 from service.errors import ConfigError
 
 BUILTIN_DIR = Path(__file__).parent / "dflash_weights"
@@ -88,22 +88,13 @@ class DFlashConfig:
             )
 
 
-class DraftLayer(nn.Module):
-    """A decoder layer whose keys/values span [context features, block]."""
+class DraftLayer(Block):
+    """A decoder layer (the target's layer shapes and weight names) whose keys/values span
+    [context features, block] instead of a KV cache."""
 
     def __init__(self, c: DFlashConfig):
-        super().__init__()
+        super().__init__(c)  # DFlashConfig carries every shape Block reads
         self.c = c
-        h, hd = c.hidden_size, c.head_dim
-        self.q_proj = nn.Linear(h, c.num_heads * hd, bias=False)
-        self.k_proj = nn.Linear(h, c.num_kv_heads * hd, bias=False)
-        self.v_proj = nn.Linear(h, c.num_kv_heads * hd, bias=False)
-        self.o_proj = nn.Linear(c.num_heads * hd, h, bias=False)
-        self.gate_proj = nn.Linear(h, c.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(h, c.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(c.intermediate_size, h, bias=False)
-        self.input_layernorm = RMSNorm(h, c.rms_eps)
-        self.post_attention_layernorm = RMSNorm(h, c.rms_eps)
 
     def _heads(self, t: torch.Tensor, n: int) -> torch.Tensor:
         # [B, T, n*hd] -> [B, n, T, hd]
