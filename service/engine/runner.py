@@ -137,7 +137,7 @@ class EngineRunner:
     def start(self) -> None:
         """Load, warm up and serve, all torch work in the worker thread: on CPU, torch's
         parallel regions run 2-5x slower from a thread once another thread has run some
-        (libgomp keeps one pool per thread; measured on this 2-core VM: a DDTree round 44 ms
+        (seen with libgomp, cause not pinned down; on this 2-core VM: a DDTree round 44 ms
         in the only torch thread, 75 ms in a second one). Returns once the engine is ready;
         load errors are raised here."""
         t0 = time.perf_counter()
