@@ -22,7 +22,7 @@ from pathlib import Path
 import httpx
 import torch
 
-from bench.prompts import CHAT_PROMPTS
+from bench.prompts import CHAT_PROMPTS, chat_ids
 from service.config import LiveParams
 from service.engine.ddtree import DDTreeEngine
 from service.engine.dflash import BUILTIN, DFlashDrafter, load_dflash, load_draft_vocab
@@ -80,12 +80,7 @@ def engine_runs(
     lm, texts: list[str], max_tokens: int, temperature: float, configs: list[str], dflash=None
 ) -> list[dict]:
     m, tok = lm.model, lm.tokenizer
-    prompts = [
-        tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True)[
-            "input_ids"
-        ]
-        for p in texts
-    ]
+    prompts = chat_ids(tok, texts)
     rows, ref = [], None
     for name in configs:
         kind, budget, topk = REGISTRY[name]

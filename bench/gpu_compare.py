@@ -28,21 +28,12 @@ from pathlib import Path
 
 import torch
 
-from bench.prompts import CHAT_PROMPTS
+from bench.prompts import CHAT_PROMPTS, chat_ids
 from service.config import LiveParams
 from service.engine.ddtree import DDTreeEngine
 from service.engine.drafters import NoDrafter
 from service.engine.sampling import SamplingParams
 from service.engine.weights import load_model, to_hf
-
-
-def chat(tok, texts):
-    return [
-        tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True)[
-            "input_ids"
-        ]
-        for t in texts
-    ]
 
 
 def sync():
@@ -179,7 +170,7 @@ def main() -> None:
     dtype = torch.bfloat16 if cuda else torch.float32
     lm = load_model(a.model, a.device, dtype)
     tok = lm.tokenizer
-    prompts = chat(tok, CHAT_PROMPTS)
+    prompts = chat_ids(tok, CHAT_PROMPTS)
     hf = to_hf(lm.model, dtype)
     hf.generation_config.pad_token_id = tok.pad_token_id or lm.model.cfg.eos_token_ids[0]
     res = {

@@ -1,5 +1,13 @@
 """Chat-style benchmark prompts (written for ddserve; a mix of code, editing and Q&A)."""
 
+from service.server.text import render_chat
+
+
+def chat_ids(tokenizer, texts: list[str]) -> list[list[int]]:
+    """Each text as a one-message user chat, through the model's chat template (as served)."""
+    return [render_chat(tokenizer, [{"role": "user", "content": t}]) for t in texts]
+
+
 CHAT_PROMPTS = [
     "Write a Python function that checks whether a number is prime, with a docstring.",
     "Rewrite this sentence in the passive voice: The committee approved the new budget after a long debate.",

@@ -9,21 +9,13 @@ from pathlib import Path
 
 import torch
 
+from bench.prompts import chat_ids
 from service.engine.weights import to_hf
 from training.prompts import training_prompts
 
 
 def log(**kv) -> None:
     print(json.dumps(kv), flush=True)
-
-
-def chat_ids(tok, prompts: list[str]) -> list[list[int]]:
-    return [
-        tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True)[
-            "input_ids"
-        ]
-        for p in prompts
-    ]
 
 
 @torch.inference_mode()

@@ -29,9 +29,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from bench.prompts import chat_ids
 from service.engine.dflash import DFlashConfig, DFlashModel, block_weights, load_dflash, save_dflash
 from service.engine.weights import load_model, to_hf
-from training.corpus import chat_ids, generate, log, stage_corpus
+from training.corpus import generate, log, stage_corpus
 from training.prompts import heldout_prompts
 
 

@@ -7,6 +7,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
+from bench.prompts import chat_ids
 from service.config import LiveParams
 from service.engine.ddtree import DDTreeEngine
 from service.engine.dflash import (
@@ -90,15 +91,13 @@ def test_greedy_equals_autoregressive_smollm2():
     m, tok = lm.model, lm.tokenizer
     vocab = load_draft_vocab(BUILTIN["smollm2-135m"])
     assert vocab is not None
-    prompts = [
-        tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True)[
-            "input_ids"
-        ]
-        for q in (
+    prompts = chat_ids(
+        tok,
+        [
             "Write a Python function that reverses a list.",
             "List three colours, then list them again.",
-        )
-    ]
+        ],
+    )
     for prompt in prompts:
         ref = ar_greedy(m, prompt, 48)
         for drafter, budget, topk, window in [
