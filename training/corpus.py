@@ -18,6 +18,13 @@ def log(**kv) -> None:
     print(json.dumps(kv), flush=True)
 
 
+def pad_and_stops(lm) -> tuple[int, list[int]]:
+    """The padding id and the stop ids generation uses for a loaded model."""
+    eos = list(lm.model.cfg.eos_token_ids)
+    pad = lm.tokenizer.pad_token_id
+    return (pad if pad is not None else eos[0]), eos
+
+
 @torch.inference_mode()
 def generate(
     hf,
@@ -74,11 +81,9 @@ def stage_corpus(args, lm, work: Path) -> list[tuple[list[int], int]]:
     path = work / "corpus.pt"
     if path.exists():
         return torch.load(path)
-    tok = lm.tokenizer
     hf = to_hf(lm.model)
-    prompts = chat_ids(tok, training_prompts(args.prompts, seed=args.seed))
-    eos = list(lm.model.cfg.eos_token_ids)
-    pad = tok.pad_token_id if tok.pad_token_id is not None else eos[0]
+    prompts = chat_ids(lm.tokenizer, training_prompts(args.prompts, seed=args.seed))
+    pad, eos = pad_and_stops(lm)
     t0 = time.time()
     deadline = t0 + args.corpus_minutes * 60
     corpus = []

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from bench.prompts import chat_ids
 from service.engine.dflash import DFlashConfig, DFlashModel, block_weights, load_dflash, save_dflash
 from service.engine.weights import load_model, to_hf
-from training.corpus import generate, log, stage_corpus
+from training.corpus import generate, log, pad_and_stops, stage_corpus
 from training.prompts import heldout_prompts
 
 
@@ -200,16 +200,14 @@ def stage_eval(args, lm, draft: DFlashModel, work: Path, corpus=None) -> dict:
     """Per-depth agreement: the drafter's top-1 at depth d vs the target's greedy token there,
     on greedy continuations of held-out prompts (teacher-forced context)."""
     path = work / "heldout.pt"
+    hf = to_hf(lm.model)
     if path.exists():
         held = torch.load(path)
     else:
-        hf = to_hf(lm.model)
-        tok = lm.tokenizer
-        eos = list(lm.model.cfg.eos_token_ids)
-        pad = tok.pad_token_id if tok.pad_token_id is not None else eos[0]
+        pad, eos = pad_and_stops(lm)
         held = generate(
             hf,
-            chat_ids(tok, heldout_prompts()),
+            chat_ids(lm.tokenizer, heldout_prompts()),
             args.gen_tokens,
             0.0,
             args.gen_batch,
@@ -220,7 +218,6 @@ def stage_eval(args, lm, draft: DFlashModel, work: Path, corpus=None) -> dict:
         )
         torch.save(held, path)
     dev = lm.model.device
-    hf = to_hf(lm.model)
     draft = draft.to(dev).eval()
     c = draft.c
 
@@ -258,7 +255,7 @@ def stage_eval(args, lm, draft: DFlashModel, work: Path, corpus=None) -> dict:
         "cumulative_agreement_chain": round(chain, 3),
     }
     if corpus:  # the same measure on greedy training sequences: the over-fitting gap
-        seen = [s for s in corpus[: len(corpus) // max(1, len(args.temperatures))]][::50][:48]
+        seen = corpus[: len(corpus) // max(1, len(args.temperatures))][::50][:48]
         tacc, _ = agreement(seen)
         res["train_distribution_agreement_by_depth"] = [round(a, 4) for a in tacc]
     (work / "eval.json").write_text(json.dumps(res, indent=1))
