@@ -31,7 +31,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from service.engine.drafters import DraftContext
-from service.engine.llama import Block, Llama, LlamaConfig, RMSNorm, apply_rope, linear
+from service.engine.llama import Block, Llama, LlamaConfig, RMSNorm, Rotary, apply_rope, linear
 from service.errors import ConfigError
 
 BUILTIN_DIR = Path(__file__).parent / "dflash_weights"
@@ -140,16 +140,7 @@ class DFlashModel(nn.Module):
         self.mask_embedding = nn.Parameter(torch.zeros(c.hidden_size))
         self.layers = nn.ModuleList(DraftLayer(c) for _ in range(c.num_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_eps)
-        self.register_buffer("inv_freq", self._inv_freq(), persistent=False)
-
-    def _inv_freq(self) -> torch.Tensor:
-        hd = self.c.head_dim
-        return 1.0 / (self.c.rope_theta ** (torch.arange(0, hd, 2, device="cpu").float() / hd))
-
-    def _apply(self, fn, recurse=True):
-        super()._apply(fn, recurse)
-        self.inv_freq = self._inv_freq().to(self.inv_freq.device)  # float32, like the target's
-        return self
+        self.rotary = Rotary(c.head_dim, c.rope_theta)  # float32 frequencies, like the target's
 
     def init_from_target(self, target: Llama) -> None:
         """Start the layers from the target's last layers (same hidden space), fc ~ mean of taps."""
@@ -165,9 +156,8 @@ class DFlashModel(nn.Module):
 
     def rope(self, positions: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [B, T] -> cos/sin [B, 1, T, hd]."""
-        freqs = positions.float()[..., None] * self.inv_freq
-        emb = torch.cat((freqs, freqs), dim=-1)[:, None]
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        cos, sin = self.rotary(positions, dtype)
+        return cos[:, None], sin[:, None]
 
     def project(self, taps: torch.Tensor) -> torch.Tensor:
         """Concatenated target layer outputs [..., taps*H] -> context features [..., H]."""

@@ -203,6 +203,31 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotate_half(x) * sin
 
 
+class Rotary(nn.Module):
+    """RoPE angles for positions of any shape [...] -> cos/sin [..., head_dim]. The inverse
+    frequencies stay float32 when the model goes to bf16 (rounding them would shift every
+    angle by up to ~0.4%)."""
+
+    def __init__(self, head_dim: int, theta: float):
+        super().__init__()
+        self.head_dim, self.theta = head_dim, theta
+        self.register_buffer("inv_freq", self.compute(), persistent=False)
+
+    def compute(self) -> torch.Tensor:
+        hd = self.head_dim
+        return 1.0 / (self.theta ** (torch.arange(0, hd, 2, device="cpu").float() / hd))
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        self.inv_freq = self.compute().to(self.inv_freq.device)
+        return self
+
+    def forward(self, positions: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.float()[..., None] * self.inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
 class Llama(nn.Module):
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
@@ -213,18 +238,10 @@ class Llama(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        self.register_buffer("inv_freq", self.rope_inv_freq(), persistent=False)
-
-    def _apply(self, fn, recurse=True):
-        super()._apply(fn, recurse)
-        # RoPE frequencies stay float32 when the weights go to bf16 (rounding them would
-        # shift every angle by up to ~0.4%)
-        self.inv_freq = self.rope_inv_freq().to(self.inv_freq.device)
-        return self
+        self.rotary = Rotary(cfg.head_dim, cfg.rope_theta)
 
     def rope_inv_freq(self) -> torch.Tensor:
-        hd = self.cfg.head_dim
-        return 1.0 / (self.cfg.rope_theta ** (torch.arange(0, hd, 2, device="cpu").float() / hd))
+        return self.rotary.compute()
 
     @property
     def device(self) -> torch.device:
@@ -244,9 +261,7 @@ class Llama(nn.Module):
         )
 
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(self.dtype), emb.sin().to(self.dtype)
+        return self.rotary(positions, self.dtype)
 
     @torch.inference_mode()
     def forward(
