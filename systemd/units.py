@@ -114,6 +114,9 @@ def _hardening(opts: UnitOptions) -> str:
     return "\n".join(lines)
 
 
+RAY_ENV = "RAY_SERVE_PROXY_PREFER_LOCAL_NODE_ROUTING=0 RAY_USAGE_STATS_ENABLED=0"
+
+
 def _common_service(opts: UnitOptions) -> str:
     return f"""WorkingDirectory={opts.workdir}
 Environment=HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 DDSERVE_CACHE=/var/cache/ddserve HF_HOME=/var/cache/ddserve/hf
@@ -128,10 +131,10 @@ StandardError=journal
 {_hardening(opts)}"""
 
 
-def engine_unit(opts: UnitOptions) -> str:
+def _daemon_unit(opts: UnitOptions, unit: str, service: str) -> str:
+    """A long-running service: after the network, restart-limited, hardened, enabled at boot."""
     return f"""[Unit]
-Description=ddserve builtin DDTree engine %i
-Documentation=file://{opts.workdir}/README.md
+{unit}
 After=network-online.target
 Wants=network-online.target
 StartLimitIntervalSec=300
@@ -139,56 +142,44 @@ StartLimitBurst=5
 
 [Service]
 Type=exec
-EnvironmentFile={opts.env_dir}/engine-%i.env
-ExecStart={opts.python} -m service.cli engine --host ${{DDSERVE_HOST}} --port ${{DDSERVE_PORT}}
+{service}
 {_common_service(opts)}
 
 [Install]
 WantedBy=multi-user.target
 """
+
+
+def engine_unit(opts: UnitOptions) -> str:
+    return _daemon_unit(
+        opts,
+        f"Description=ddserve builtin DDTree engine %i\nDocumentation=file://{opts.workdir}/README.md",
+        f"EnvironmentFile={opts.env_dir}/engine-%i.env\n"
+        f"ExecStart={opts.python} -m service.cli engine --host ${{DDSERVE_HOST}} --port ${{DDSERVE_PORT}}",
+    )
 
 
 def ray_head_unit(opts: UnitOptions, cfg: ServeConfig) -> str:
     ray = shlex.quote(str(Path(opts.python).with_name("ray")))
-    return f"""[Unit]
-Description=ddserve Ray head node
-After=network-online.target
-Wants=network-online.target
-StartLimitIntervalSec=300
-StartLimitBurst=5
-
-[Service]
-Type=exec
-Environment=RAY_SERVE_PROXY_PREFER_LOCAL_NODE_ROUTING=0 RAY_USAGE_STATS_ENABLED=0
-ExecStart={ray} start --head --block --port {opts.ray_port} --num-cpus {max(1, int(cfg.cpus_per_replica))} --temp-dir=/var/lib/ddserve/ray
-ExecStop={ray} stop
-{_common_service(opts)}
-
-[Install]
-WantedBy=multi-user.target
-"""
+    return _daemon_unit(
+        opts,
+        "Description=ddserve Ray head node",
+        f"Environment={RAY_ENV}\n"
+        f"ExecStart={ray} start --head --block --port {opts.ray_port} --num-cpus {max(1, int(cfg.cpus_per_replica))} --temp-dir=/var/lib/ddserve/ray\n"
+        f"ExecStop={ray} stop",
+    )
 
 
 def ray_worker_unit(opts: UnitOptions) -> str:
     ray = shlex.quote(str(Path(opts.python).with_name("ray")))
-    return f"""[Unit]
-Description=ddserve Ray worker node (joins DDSERVE_RAY_HEAD)
-After=network-online.target
-Wants=network-online.target
-StartLimitIntervalSec=300
-StartLimitBurst=5
-
-[Service]
-Type=exec
-EnvironmentFile={opts.env_dir}/ray-worker.env
-Environment=RAY_SERVE_PROXY_PREFER_LOCAL_NODE_ROUTING=0 RAY_USAGE_STATS_ENABLED=0
-ExecStart={ray} start --block --address ${{DDSERVE_RAY_HEAD}} --temp-dir=/var/lib/ddserve/ray
-ExecStop={ray} stop
-{_common_service(opts)}
-
-[Install]
-WantedBy=multi-user.target
-"""
+    return _daemon_unit(
+        opts,
+        "Description=ddserve Ray worker node (joins DDSERVE_RAY_HEAD)",
+        f"EnvironmentFile={opts.env_dir}/ray-worker.env\n"
+        f"Environment={RAY_ENV}\n"
+        f"ExecStart={ray} start --block --address ${{DDSERVE_RAY_HEAD}} --temp-dir=/var/lib/ddserve/ray\n"
+        f"ExecStop={ray} stop",
+    )
 
 
 def app_unit(opts: UnitOptions) -> str:
