@@ -57,6 +57,11 @@ ENGINE_FLAGS = {
     "--device": ("device", str, "auto | cpu | cuda"),
     "--max-batch": ("max_batch", int, "requests verified together per round (default 32)"),
     "--dtype": ("dtype", str, "auto | float32 | bfloat16 | float16"),
+    "--graphs": (
+        "graphs",
+        str,
+        "static KV pool + CUDA graphs: auto (with CUDA) | on | off (default auto)",
+    ),
 }
 
 

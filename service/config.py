@@ -178,6 +178,10 @@ class EngineConfig(_Frozen):
         le=1024,
         description="Requests verified together in one target forward per round (continuous batching).",
     )
+    graphs: Literal["auto", "on", "off"] = Field(
+        "auto",
+        description="Static engine: a preallocated KV pool of max_batch slots and fixed-shape forwards, CUDA-graph captured on a GPU. auto = on with CUDA; on = also on CPU (no graphs there); off = the dynamic engine.",
+    )
 
     @model_validator(mode="after")
     def _engine_rules(self) -> EngineConfig:

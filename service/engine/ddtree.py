@@ -61,6 +61,11 @@ class DDTreeEngine:
         # target layers whose outputs the drafter is conditioned on (kept from verify)
         self.capture: tuple[int, ...] = tuple(getattr(drafter, "capture", ()))
 
+    free_slots: int | None = None  # no fixed number of concurrent sequences
+
+    def release(self, seq: Sequence) -> None:
+        """The sequence is done (finished, failed or cancelled); its caches can go."""
+
     def new_sequence(self, prompt: list[int], sampling: SamplingParams) -> Sequence:
         gen = None
         if not sampling.greedy:

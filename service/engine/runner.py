@@ -177,10 +177,24 @@ class EngineRunner:
         model = loaded.model.to(device=device, dtype=dtype)
         self.tokenizer = loaded.tokenizer
         drafter = build_drafter(self.config, loaded, device, dtype)
-        self.engine = DDTreeEngine(
-            model, drafter, self.config.drafter.depth, model.cfg.eos_token_ids
-        )
         self.max_context = self.config.max_context or model.cfg.max_position
+        depth, eos = self.config.drafter.depth, model.cfg.eos_token_ids
+        graphs = self.config.graphs
+        if graphs == "on" or (graphs == "auto" and device == "cuda"):
+            from service.engine.static_engine import StaticEngine
+
+            self.engine = StaticEngine(
+                model,
+                drafter,
+                depth,
+                eos,
+                slots=self.config.max_batch,
+                max_context=self.max_context,
+                graphs=device == "cuda",
+            )
+            self.engine.warm_up(self.config.params)  # graph capture: part of readiness
+        else:
+            self.engine = DDTreeEngine(model, drafter, depth, eos)
         self._fingerprint = self.config.fingerprint()
         self.engine.generate(
             [model.cfg.bos_token_id or 0], SamplingParams(max_tokens=2), self.config.params
@@ -273,8 +287,9 @@ class EngineRunner:
                     self._cv.wait()
                 if self._stopping:
                     return
-                self._active.extend(self._pending)
-                self._pending.clear()
+                room = self._room()
+                self._active.extend(self._pending[:room])
+                del self._pending[:room]
                 active = list(self._active)
             size = self.config.max_batch
             for start in range(0, len(active), size):
@@ -282,7 +297,20 @@ class EngineRunner:
                     params, fingerprint = self.config.params, self._fingerprint
                 self._run_round(active[start : start + size], params, fingerprint)
             with self._cv:
+                done = [r for r in self._active if r.cancelled or r.finished]
                 self._active = [r for r in self._active if not (r.cancelled or r.finished)]
+            for req in done:
+                if req.seq is not None:
+                    self.engine.release(req.seq)
+
+    def _room(self) -> int:
+        """Pending requests that may start now: all, or as many as the KV pool has free
+        slots for (counting active ones that will take theirs at prefill)."""
+        free = self.engine.free_slots
+        if free is None:
+            return len(self._pending)
+        unprefilled = sum(1 for r in self._active if not r.prefilled)
+        return max(0, free - unprefilled)
 
     def _run_round(self, reqs: list[_Request], params: LiveParams, fingerprint: str) -> None:
         """One round of every request in `reqs`, their trees verified in one forward. New

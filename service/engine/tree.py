@@ -39,13 +39,22 @@ class Tree:
 
 def build_tree(root_token: int, logprobs: torch.Tensor | None, budget: int, topk: int) -> Tree:
     """Best-first tree of at most `budget` draft nodes from per-depth log-probs [L, V]."""
-    tree = Tree([root_token], [-1], [0], [0.0], [-1], [-1])
     if logprobs is None or budget <= 0 or logprobs.shape[0] == 0:
-        return tree
+        return build_tree_top(root_token, [], [], 0)
     # logprobs: [L, V] -> the topk candidates of every depth, sorted by descending log-prob
     k = min(topk, logprobs.shape[1])
     top_lp, top_ids = torch.topk(logprobs.float(), k, dim=-1)  # [L, k]
-    top_lp, top_ids = top_lp.tolist(), top_ids.tolist()
+    return build_tree_top(root_token, top_lp.tolist(), top_ids.tolist(), budget)
+
+
+def build_tree_top(
+    root_token: int, top_lp: list[list[float]], top_ids: list[list[int]], budget: int
+) -> Tree:
+    """`build_tree` from each depth's k best (log-prob, token) pairs, best first."""
+    tree = Tree([root_token], [-1], [0], [0.0], [-1], [-1])
+    if budget <= 0 or not top_lp:
+        return tree
+    k = len(top_lp[0])
     depth_limit = len(top_lp)
     last_child = [-1]  # last created child of each node, to append siblings in order
     # heap entries: (-logw, tie, depth, rank, parent)

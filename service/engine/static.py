@@ -1,0 +1,242 @@
+"""Static GPU state for the DDTree engine: a preallocated KV pool and fixed-shape forwards
+that CUDA graphs can capture.
+
+    KVPool       keys/values of every slot: [layers, slots, kv_heads, max_len, head_dim],
+                 allocated once; a request holds one slot for its lifetime. The last `guard`
+                 entries of every slot are scratch: rows that take part in a forward only to
+                 fill a fixed shape write there.
+    SlotCache    one slot seen through the KVCache interface (length, write, commit), so the
+                 eager code paths (prefill of odd lengths, tests) work on the pool unchanged.
+    layer_step   one decoder layer over B rows x W new tokens with index writes into the pool
+                 and attention over [0, ctx) of each row's slot under a boolean mask; shapes
+                 depend only on (B, W, ctx), so a captured graph replays it for any content.
+    GraphCache   captures one CUDA graph per shape key on first use (or at warm-up) and
+                 replays it; every graph shares one memory pool and one input buffer.
+
+Rows of a forward are either slots 0..B-1 themselves (decode: every active request is a row,
+and keys are read in place) or slots named by an index tensor (prefill of one request: its
+slot's keys are gathered).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from service.engine.llama import Block, LlamaConfig, apply_rope, linear
+from service.errors import EngineError
+
+log = logging.getLogger(__name__)
+
+
+def next_bucket(n: int, lo: int, hi: int) -> int:
+    """The smallest power of two >= n (at least lo), capped at hi."""
+    b = lo
+    while b < n:
+        b *= 2
+    return min(b, hi)
+
+
+class KVPool:
+    def __init__(
+        self, cfg: LlamaConfig, num_layers: int, slots: int, max_len: int, guard: int, device, dtype
+    ):
+        self.slots, self.max_len, self.guard = slots, max_len, guard
+        self.usable = max_len - guard  # entries a request may fill
+        shape = (num_layers, slots, cfg.num_kv_heads, max_len, cfg.head_dim)
+        self.k = torch.zeros(shape, device=device, dtype=dtype)
+        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self._free = list(range(slots))
+
+    @property
+    def free(self) -> int:
+        return len(self._free)
+
+    def acquire(self) -> int:
+        if not self._free:
+            raise EngineError(f"all {self.slots} KV slots are in use")
+        low = min(self._free)  # lowest first: decode batches cover slots 0..used_rows-1
+        self._free.remove(low)
+        return low
+
+    def release(self, slot: int) -> None:
+        if slot not in self._free:
+            self._free.append(slot)
+
+    @property
+    def used_rows(self) -> int:
+        """1 + the highest slot in use (decode batches cover slots 0..used_rows-1)."""
+        taken = set(range(self.slots)) - set(self._free)
+        return max(taken) + 1 if taken else 0
+
+    def guard_positions(self, w: int) -> torch.Tensor:
+        return torch.arange(self.max_len - w, self.max_len)
+
+    @torch.inference_mode()
+    def move(self, slots: list[int], dst: list[int], src: list[int]) -> None:
+        """Copy entries src -> dst within their slots, all layers at once (the accepted path
+        of a tree moves next to the committed prefix). dst <= src, gathered before written."""
+        if not slots:
+            return
+        dev = self.k.device
+        s = torch.tensor(slots, device=dev)
+        d, r = torch.tensor(dst, device=dev), torch.tensor(src, device=dev)
+        for buf in (self.k, self.v):
+            buf[:, s, :, d] = buf[:, s, :, r]
+
+
+class SlotCache:
+    """One slot of a KVPool with KVCache's interface (positions start at 0; no eviction)."""
+
+    def __init__(self, pool: KVPool, slot: int):
+        self.pool, self.slot = pool, slot
+        self.length = 0
+        self.start_pos = 0
+
+    @property
+    def capacity(self) -> int:
+        return self.pool.usable
+
+    @property
+    def next_pos(self) -> int:
+        return self.length
+
+    def reserve(self, n_new: int) -> None:
+        if self.length + n_new > self.pool.usable:
+            raise EngineError(
+                f"context of {self.length + n_new} tokens exceeds the KV slot's {self.pool.usable}"
+            )
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor):
+        end = self.length + k.shape[1]
+        self.pool.k[layer, self.slot, :, self.length : end] = k
+        self.pool.v[layer, self.slot, :, self.length : end] = v
+        return self.pool.k[layer, self.slot, :, :end], self.pool.v[layer, self.slot, :, :end]
+
+    def commit(self, keep) -> None:
+        if isinstance(keep, int):
+            self.length += keep
+            return
+        keep = list(keep)
+        moves = [(self.length + j, self.length + i) for j, i in enumerate(keep) if i != j]
+        if moves:
+            d, s = zip(*moves, strict=True)
+            self.pool.move([self.slot] * len(d), list(d), list(s))
+        self.length += len(keep)
+
+    def truncate(self, length: int) -> None:
+        self.length = min(self.length, length)
+
+
+def fuse_weights(block: Block) -> None:
+    """One [q;k;v] and one [gate;up] matrix per layer (one matmul each instead of three and
+    two); the original projections become views of them, so state dicts are unchanged."""
+    if hasattr(block, "qkv_weight"):
+        return
+    with torch.no_grad():
+        parts = [block.q_proj, block.k_proj, block.v_proj]
+        qkv = torch.cat([p.weight for p in parts])
+        gu = torch.cat([block.gate_proj.weight, block.up_proj.weight])
+        at = 0
+        for p in parts:
+            n = p.weight.shape[0]
+            p.weight.data = qkv[at : at + n]
+            at += n
+        n = block.gate_proj.weight.shape[0]
+        block.gate_proj.weight.data, block.up_proj.weight.data = gu[:n], gu[n:]
+    block.qkv_weight, block.gate_up_weight = qkv, gu
+
+
+def attention_mask(lens, wpos_rel_tree, ctx: int, window=None) -> torch.Tensor:
+    """Boolean [B, W, ctx]: committed entries [lo, lens) of each row plus its new tokens at
+    [lens, lens+W) under the tree mask `wpos_rel_tree` [B, W, W] (lo = lens - window)."""
+    b, w, _ = wpos_rel_tree.shape
+    j = torch.arange(ctx, device=lens.device)
+    rel = j[None, None, :] - lens[:, None, None]  # [B, 1, ctx]
+    past = rel < 0
+    if window is not None:
+        past = past & (rel >= -window[:, None, None])
+    idx = rel.clamp(0, w - 1).expand(b, w, ctx)
+    tree = torch.gather(wpos_rel_tree, 2, idx) & (rel >= 0) & (rel < w)
+    return past | tree
+
+
+def layer_step(block: Block, x, cos, sin, kc, vc, rows, wpos, mask, ctx: int, rows_are_slots):
+    """One decoder layer. x [B*W, H]; cos/sin [B*W, hd]; kc/vc: this layer's pool
+    [S, kvh, L, hd]; rows [B] slot of each row; wpos [B, W] where each new token's key/value
+    goes; mask [B, 1, G*W, ctx] (G query heads per kv head, folded into the query rows so
+    keys are never repeated)."""
+    c = block.cfg
+    nh, kvh, hd = c.num_heads, c.num_kv_heads, c.head_dim
+    b, w = wpos.shape
+    n, g = b * w, nh // kvh
+    h = block.input_layernorm(x)
+    qkv = linear(h, block.qkv_weight).view(n, nh + 2 * kvh, hd)
+    qk = apply_rope(qkv[:, : nh + kvh], cos[:, None], sin[:, None])
+    q, k, v = qk[:, :nh], qk[:, nh:], qkv[:, nh + kvh :]
+    kc[rows[:, None], :, wpos] = k.reshape(b, w, kvh, hd)
+    vc[rows[:, None], :, wpos] = v.reshape(b, w, kvh, hd)
+    if rows_are_slots:
+        keys, values = kc[:b, :, :ctx], vc[:b, :, :ctx]
+    else:
+        keys, values = kc.index_select(0, rows)[:, :, :ctx], vc.index_select(0, rows)[:, :, :ctx]
+    qg = q.reshape(b, w, kvh, g, hd).permute(0, 2, 3, 1, 4).reshape(b, kvh, g * w, hd)
+    att = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask)
+    att = att.view(b, kvh, g, w, hd).permute(0, 3, 1, 2, 4).reshape(n, nh * hd)
+    x = x + linear(att, block.o_proj.weight)
+    h = block.post_attention_layernorm(x)
+    gate, up = linear(h, block.gate_up_weight).chunk(2, dim=-1)
+    return x + linear(F.silu(gate) * up, block.down_proj.weight)
+
+
+def fold_groups(mask: torch.Tensor, groups: int) -> torch.Tensor:
+    """[B, W, ctx] -> [B, 1, G*W, ctx] matching layer_step's folded query rows."""
+    b, w, ctx = mask.shape
+    return mask[:, None, None].expand(b, 1, groups, w, ctx).reshape(b, 1, groups * w, ctx)
+
+
+class GraphCache:
+    """CUDA graphs of `fn(key)` per shape key, sharing one memory pool. `fn` reads its inputs
+    from buffers that stay put and returns its outputs; a replay refreshes them in place.
+    Off (or on CPU) it just calls `fn`. A capture that fails turns graphs off for good (logged):
+    the engine stays correct, only slower."""
+
+    def __init__(self, enabled: bool, name: str):
+        self.enabled = enabled and torch.cuda.is_available()
+        self.name = name
+        self.graphs: dict = {}
+        self.mempool = torch.cuda.graph_pool_handle() if self.enabled else None
+
+    def run(self, key, fn: Callable[[], object]):
+        if not self.enabled:
+            return fn()
+        entry = self.graphs.get(key)
+        if entry is None:
+            try:
+                entry = self._capture(key, fn)
+            except Exception as exc:  # noqa: BLE001 - any capture failure: fall back to eager
+                log.warning(
+                    "%s: CUDA graph capture of %s failed, running eagerly: %s", self.name, key, exc
+                )
+                self.enabled = False
+                torch.cuda.synchronize()
+                return fn()
+            self.graphs[key] = entry
+        graph, out = entry
+        graph.replay()
+        return out
+
+    def _capture(self, key, fn):
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):  # warm-up runs (allocator, cuBLAS handles) off-graph
+            for _ in range(2):
+                fn()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.mempool):
+            out = fn()
+        return graph, out

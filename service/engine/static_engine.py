@@ -1,0 +1,340 @@
+"""DDTree over static GPU state: `StaticEngine` runs the same algorithm as `DDTreeEngine`
+(same drafts, trees, accept rule and outputs) with
+
+  * one preallocated KV pool; a request holds a slot from `new_sequence` to `release`
+  * the verify of every active request in one fixed-shape forward (rows = slots 0..B-1,
+    W = tree width bucket, ctx = key-length bucket), captured as a CUDA graph per shape
+  * prefill in fixed chunks through the same forward (one row, its slot gathered)
+  * the DFlash drafter batched the same way over its own pool (context keys/values written
+    in place, no per-round allocation), also graph-captured
+  * argmax and the finiteness check inside the graph: one device->host copy per verify;
+    accepted paths move in the pool with one gather/scatter for the whole batch
+
+Host work per round (tree build, accept walk, packing inputs) is timed in `self.timing`.
+Drafters other than DFlash run as in DDTreeEngine (n-gram lookup is host work anyway).
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+
+from service.config import MAX_TOPK, LiveParams
+from service.engine.ddtree import DDTreeEngine, Sequence
+from service.engine.dflash import DFlashDrafter
+from service.engine.llama import Llama
+from service.engine.sampling import SamplingParams, target_tokens
+from service.engine.static import SlotCache, next_bucket
+from service.engine.static_models import StaticDFlash, StaticTarget, pack_draft, pack_target
+from service.engine.tree import Tree, build_tree, build_tree_top
+from service.errors import EngineError
+
+PREFILL_CHUNKS = (16, 64, 256)
+
+
+def bucket_sizes(hi: int) -> list[int]:
+    """Batch sizes graphs are captured for: powers of two below `hi`, and `hi`."""
+    out, b = [], 1
+    while b < hi:
+        out.append(b)
+        b *= 2
+    return [*out, hi]
+
+
+def tree_mask_np(tree: Tree, width: int) -> np.ndarray:
+    m = np.zeros((width, width), dtype=bool)
+    for i, p in enumerate(tree.parents):
+        if p >= 0:
+            m[i] = m[p]
+        m[i, i] = True
+    for i in range(tree.size, width):  # padding nodes see themselves
+        m[i, i] = True
+    return m
+
+
+class StaticEngine(DDTreeEngine):
+    def __init__(
+        self,
+        model: Llama,
+        drafter,
+        depth: int,
+        eos_token_ids: tuple[int, ...],
+        *,
+        slots: int,
+        max_context: int,
+        graphs: bool = True,
+    ):
+        super().__init__(model, drafter, depth, eos_token_ids)
+        self.target = StaticTarget(model, slots, max_context, self.capture, graphs)
+        self.pool = self.target.pool
+        self.sdraft = None
+        if isinstance(drafter, DFlashDrafter):
+            self.sdraft = StaticDFlash(drafter, slots, self.pool.max_len, self.pool.guard, graphs)
+        self.timing = {"rounds": 0, "draft_s": 0.0, "tree_s": 0.0, "verify_s": 0.0, "accept_s": 0.0}
+
+    @torch.inference_mode()
+    def warm_up(self, params: LiveParams, contexts=(128, 256, 512)) -> float:
+        """Capture the graphs the current parameters use (every batch bucket, AR and tree
+        widths, short contexts, the prefill chunks) with inputs that touch only guard
+        entries. Longer contexts and other widths are captured on first use."""
+        if not self.target.graphs.enabled:
+            return 0.0
+        t0 = time.perf_counter()
+        ml = self.pool.max_len
+        ctxs = sorted({min(c, ml) for c in contexts})
+        widths = sorted({2, next_bucket(min(params.budget, 1 << 20) + 1, 2, 1 << 30)})
+        for b in bucket_sizes(self.pool.slots):
+            for w in widths:
+                for ctx in ctxs:
+                    if ctx < w:
+                        continue
+                    guard = np.tile(np.arange(ml - w, ml), (b, 1))
+                    tree = np.tile(np.eye(w, dtype=bool), (b, 1, 1))
+                    zeros = np.zeros((b, w), dtype=np.int64)
+                    packed = pack_target(
+                        zeros, zeros, guard, np.zeros(b, np.int64), np.arange(b), tree
+                    )
+                    self.target.forward(packed, b, w, ctx, True)
+        for w in PREFILL_CHUNKS:
+            for ctx in ctxs:
+                if ctx >= w:
+                    tree = np.tril(np.ones((w, w), dtype=bool))
+                    guard = np.arange(ml - w, ml)
+                    packed = pack_target(
+                        np.zeros(w, np.int64),
+                        guard,
+                        guard,
+                        np.zeros(1, np.int64),
+                        np.zeros(1, np.int64),
+                        tree,
+                    )
+                    self.target.forward(packed, 1, w, ctx, False)
+        depth = min(self.depth, params.budget)
+        if self.sdraft is not None and depth > 0:
+            depth = min(depth, self.sdraft.block)
+            q, wn = depth + 1, self.sdraft.new_rows
+            topk = next_bucket(params.topk, 1, MAX_TOPK)
+            for b in bucket_sizes(self.pool.slots):
+                for ctx in ctxs:
+                    packed = pack_draft(
+                        np.tile(np.arange(ml - wn, ml), (b, 1)),
+                        np.zeros(b, np.int64),
+                        np.tile(np.arange(ml - q, ml), (b, 1)),
+                        np.zeros((b, q), np.int64),
+                        np.zeros(b, np.int64),
+                        np.full(b, ml, np.int64),
+                    )
+                    self.sdraft.forward(packed, (b, depth, ctx, topk))
+        torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
+    # -- request lifecycle ----------------------------------------------------------------
+    @property
+    def free_slots(self) -> int:
+        return self.pool.free
+
+    def new_sequence(self, prompt: list[int], sampling: SamplingParams) -> Sequence:
+        if len(prompt) > self.pool.usable:
+            raise EngineError(
+                f"prompt of {len(prompt)} tokens exceeds the KV slot's {self.pool.usable}"
+            )
+        seq = super().new_sequence(prompt, sampling)
+        seq.cache = SlotCache(self.pool, self.pool.acquire())
+        seq.draft_state = 0  # DFlash: context entries written to the drafter's slot
+        seq.pending_rows = []  # DFlash: rows of the last verify's taps not yet drafted from
+        return seq
+
+    def release(self, seq: Sequence) -> None:
+        if isinstance(seq.cache, SlotCache):
+            self.pool.release(seq.cache.slot)
+            seq.cache = None
+
+    def generate(self, prompt, sampling, params) -> Sequence:
+        seq = self.new_sequence(prompt, sampling)
+        try:
+            self.prefill(seq)
+            while not seq.finished:
+                self.step(seq, params)
+        finally:
+            self.release(seq)
+        return seq
+
+    @torch.inference_mode()
+    def prefill(self, seq: Sequence) -> None:
+        """The prompt (all but its last token) in chunks of fixed widths through the
+        one-row forward."""
+        t0 = time.perf_counter()
+        head, cache = seq.tokens[:-1], seq.cache
+        at = 0
+        while at < len(head):
+            n = min(len(head) - at, PREFILL_CHUNKS[-1])
+            w = next(c for c in PREFILL_CHUNKS if c >= n)
+            toks = np.zeros(w, dtype=np.int64)
+            toks[:n] = head[at : at + n]
+            pos = np.arange(at, at + w, dtype=np.int64)
+            tree = np.tril(np.ones((w, w), dtype=bool))
+            ctx = self.target.ctx_bucket(at + w)
+            packed = pack_target(toks, pos, pos, np.array([at]), np.array([cache.slot]), tree)
+            _, _, taps = self.target.forward(packed, 1, w, ctx, False)
+            if taps is not None:
+                seq.hidden_new.append(taps[:n].clone())
+            at += n
+        cache.length = len(head)
+        seq.stats.prefill_s += time.perf_counter() - t0
+
+    # -- one round of a batch -----------------------------------------------------------
+    @torch.inference_mode()
+    def step_batch(self, seqs: list[Sequence], params: LiveParams) -> list[list[int]]:
+        t0 = time.perf_counter()
+        trees = self._draft_trees(seqs, params)
+        t1 = time.perf_counter()
+        b = next_bucket(self.pool.used_rows, 1, self.pool.slots)
+        w = next_bucket(max(t.size for t in trees), 2, 1 << 30)
+        by_slot = {s.cache.slot: (s, t) for s, t in zip(seqs, trees, strict=True)}
+        tokens = np.zeros((b, w), dtype=np.int64)
+        pos = np.zeros((b, w), dtype=np.int64)
+        wpos = np.tile(np.arange(self.pool.max_len - w, self.pool.max_len), (b, 1))
+        lens = np.zeros(b, dtype=np.int64)
+        tree_m = np.tile(np.eye(w, dtype=bool), (b, 1, 1))
+        longest = 0
+        for slot, (seq, tree) in by_slot.items():
+            n0 = seq.cache.length
+            tokens[slot, : tree.size] = tree.tokens
+            pos[slot, : tree.size] = n0 + np.asarray(tree.depths)
+            wpos[slot] = n0 + np.arange(w)
+            lens[slot] = n0
+            tree_m[slot] = tree_mask_np(tree, w)
+            longest = max(longest, n0 + w)
+            seq.cache.reserve(tree.size)
+        ctx = self.target.ctx_bucket(longest)
+        packed = pack_target(tokens, pos, wpos, lens, np.arange(b), tree_m)
+        t2 = time.perf_counter()
+        logits, top, taps = self.target.forward(packed, b, w, ctx, True)
+        top = top.cpu().numpy()  # the one sync of the verify
+        t3 = time.perf_counter()
+        out, moves = [], ([], [], [])
+        for seq, tree in zip(seqs, trees, strict=True):
+            r0 = seq.cache.slot * w
+            if not top[1, r0 : r0 + tree.size].all():
+                raise EngineError("the target produced non-finite logits (broken weights?)")
+            if seq.sampling.greedy:
+                targets = top[0, r0 : r0 + tree.size].tolist()
+            else:
+                lg = logits[r0 : r0 + tree.size]
+                targets = target_tokens(lg, seq.sampling, seq.generator).tolist()
+            path, bonus = self.accept(tree, targets)
+            keep = [0, *path]
+            n0 = seq.cache.length
+            for j, i in enumerate(keep):
+                if i != j:
+                    moves[0].append(seq.cache.slot)
+                    moves[1].append(n0 + j)
+                    moves[2].append(n0 + i)
+            seq.cache.length += len(keep)
+            if self.capture:
+                seq.pending_rows = [r0 + i for i in keep]
+                seq.tree_hidden = taps
+            new = [tree.tokens[i] for i in path] + [bonus]
+            new = self._truncate_at_stop(seq, new)
+            seq.tokens.extend(new)
+            seq.output.extend(new)
+            out.append(new)
+        self.pool.move(*moves)
+        t4 = time.perf_counter()
+        tm = self.timing
+        tm["rounds"] += 1
+        tm["verify_s"] += t3 - t2
+        tm["accept_s"] += t4 - t3 + t2 - t1
+        for seq, new in zip(seqs, out, strict=True):
+            st = seq.stats
+            st.draft_s += (t1 - t0) / len(seqs)
+            st.verify_s += t4 - t1
+            st.verify_rounds += 1
+            st.completion_tokens += len(new)
+            st.accept_lengths.append(len(new))
+        return out
+
+    def _draft_trees(self, seqs: list[Sequence], params: LiveParams) -> list[Tree]:
+        depth = min(self.depth, params.budget)
+        if self.sdraft is None or depth <= 0:
+            t0 = time.perf_counter()
+            if self.sdraft is not None:  # budget 0: keep the drafter's context current
+                for seq in seqs:
+                    self._catch_up(seq, force=True)
+            trees = [
+                build_tree(seq.tokens[-1], self.draft(seq, params), params.budget, params.topk)
+                for seq in seqs
+            ]
+            self.timing["draft_s"] += time.perf_counter() - t0
+            return trees
+        t0 = time.perf_counter()
+        sd = self.sdraft
+        depth = min(depth, sd.block)
+        b = next_bucket(self.pool.used_rows, 1, self.pool.slots)
+        q, wn, ml = depth + 1, sd.new_rows, self.pool.max_len
+        cwpos = np.tile(np.arange(ml - wn, ml), (b, 1))
+        root = np.zeros(b, dtype=np.int64)
+        bwpos = np.tile(np.arange(ml - q, ml), (b, 1))
+        bpos = np.zeros((b, q), dtype=np.int64)
+        lens = np.zeros(b, dtype=np.int64)
+        window = np.full(b, ml, dtype=np.int64)
+        src, dst, longest = [], [], 0
+        for seq in seqs:
+            self._catch_up(seq, force=False)
+            s, start = seq.cache.slot, seq.draft_state
+            rows = seq.pending_rows
+            cwpos[s, : len(rows)] = start + np.arange(len(rows))
+            src += rows
+            dst += [s * wn + i for i in range(len(rows))]
+            root_pos = start + len(rows)
+            if root_pos != len(seq.tokens) - 1:
+                raise EngineError(
+                    f"DFlash context covers {root_pos} tokens, expected {len(seq.tokens) - 1}"
+                )
+            seq.draft_state = root_pos
+            seq.pending_rows = []
+            root[s] = seq.tokens[-1]
+            bwpos[s] = bpos[s] = root_pos + np.arange(q)
+            lens[s], window[s] = root_pos, params.window
+            longest = max(longest, root_pos + q)
+        topk = next_bucket(params.topk, 1, MAX_TOPK)
+        key = (b, depth, self.target.ctx_bucket(longest), topk)
+        if src:
+            taps = seqs[0].tree_hidden
+            feats = sd.feats_buffer(key)
+            dev = feats.device
+            feats.index_copy_(
+                0,
+                torch.tensor(dst, device=dev),
+                taps.index_select(0, torch.tensor(src, device=dev)),
+            )
+        top = sd.forward(pack_draft(cwpos, root, bwpos, bpos, lens, window), key).cpu().numpy()
+        t1 = time.perf_counter()
+        trees = []
+        k = params.topk
+        for seq in seqs:
+            s = seq.cache.slot
+            lp, ids = top[0, s, :, :k], top[1, s, :, :k].astype(np.int64)
+            trees.append(build_tree_top(seq.tokens[-1], lp.tolist(), ids.tolist(), params.budget))
+        self.timing["draft_s"] += t1 - t0
+        self.timing["tree_s"] += time.perf_counter() - t1
+        return trees
+
+    def _catch_up(self, seq: Sequence, force: bool) -> None:
+        """Context rows the batched draft cannot take in one go (a prompt's), written eagerly."""
+        rows = []
+        if seq.hidden_new:
+            rows = [torch.cat(seq.hidden_new)]
+            seq.hidden_new.clear()
+        if seq.pending_rows and (force or len(seq.pending_rows) > self.sdraft.new_rows):
+            rows.append(
+                seq.tree_hidden.index_select(
+                    0, torch.tensor(seq.pending_rows, device=seq.tree_hidden.device)
+                )
+            )
+            seq.pending_rows = []
+        for taps in rows:
+            self.sdraft.extend(seq.cache.slot, seq.draft_state, taps)
+            seq.draft_state += taps.shape[0]

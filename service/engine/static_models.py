@@ -1,0 +1,223 @@
+"""The target and the DFlash drafter as fixed-shape forwards over KV pools (service.engine.static).
+
+Each call takes its integer inputs packed in one host tensor (one host->device copy), runs
+under a CUDA graph keyed by its shape when graphs are on, and returns output tensors that the
+next call of the same shape overwrites: read them before that.
+
+Target inputs per row (B rows x W new tokens): tokens, RoPE positions, write positions (where
+each token's key/value goes; rows that only fill the shape write into the slot's guard
+entries), committed length (the mask's past), slot, and the [W, W] tree mask. Outputs: logits
+[B*W, V] float32, [2, B*W] (argmax, all-finite flag), tapped layer outputs [B*W, taps*H].
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from service.engine.llama import Llama, apply_rope, linear
+from service.engine.static import (
+    GraphCache,
+    KVPool,
+    attention_mask,
+    fold_groups,
+    fuse_weights,
+    layer_step,
+)
+
+
+def round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+class StaticTarget:
+    """The target model's forward over a KV pool with one slot per request."""
+
+    def __init__(
+        self,
+        model: Llama,
+        slots: int,
+        max_context: int,
+        capture: tuple[int, ...],
+        graphs: bool,
+        guard: int = 256,
+    ):
+        self.model = model
+        for block in model.layers:
+            fuse_weights(block)
+        cfg = model.cfg
+        self.pool = KVPool(
+            cfg,
+            cfg.num_layers,
+            slots,
+            round_up(max_context + guard, 64),
+            guard,
+            model.device,
+            model.dtype,
+        )
+        self.capture = capture
+        self.graphs = GraphCache(graphs, "target")
+        self.inputs: dict[tuple, torch.Tensor] = {}
+
+    def ctx_bucket(self, longest: int) -> int:
+        """Keys attended per row: a power of two >= the longest committed + new entries."""
+        b = 128
+        while b < longest:
+            b *= 2
+        return min(b, self.pool.max_len)
+
+    @torch.inference_mode()
+    def forward(self, packed: np.ndarray, b: int, w: int, ctx: int, rows_are_slots: bool):
+        key = (rows_are_slots, b, w, ctx)
+        inp = self.inputs.get(key)
+        if inp is None:
+            inp = self.inputs[key] = torch.zeros(
+                packed.size, dtype=torch.long, device=self.model.device
+            )
+        inp.copy_(torch.from_numpy(packed))
+        return self.graphs.run(key, lambda: self._forward(inp, key))
+
+    def _forward(self, inp: torch.Tensor, key: tuple):
+        rows_are_slots, b, w, ctx = key
+        m, n = self.model, b * w
+        tok, pos, wpos = (inp[i * n : (i + 1) * n] for i in range(3))
+        lens, rows = inp[3 * n : 3 * n + b], inp[3 * n + b : 3 * n + 2 * b]
+        tree = inp[3 * n + 2 * b :].view(b, w, w).bool()
+        wpos = wpos.view(b, w)
+        x = m.embed_tokens(tok)
+        cos, sin = m.rope(pos)
+        groups = m.cfg.num_heads // m.cfg.num_kv_heads
+        mask = fold_groups(attention_mask(lens, tree, ctx), groups)
+        taps = []
+        for i, block in enumerate(m.layers):
+            x = layer_step(
+                block,
+                x,
+                cos,
+                sin,
+                self.pool.k[i],
+                self.pool.v[i],
+                rows,
+                wpos,
+                mask,
+                ctx,
+                rows_are_slots,
+            )
+            if i in self.capture:
+                taps.append(x)
+        logits = linear(m.norm(x), m.lm_head.weight).float()
+        top = torch.stack([logits.argmax(-1), torch.isfinite(logits).all(-1).long()])
+        return logits, top, torch.cat(taps, dim=-1) if taps else None
+
+
+def pack_target(tokens, pos, wpos, lens, rows, tree) -> np.ndarray:
+    return np.concatenate(
+        [tokens.ravel(), pos.ravel(), wpos.ravel(), lens, rows, tree.ravel().astype(np.int64)]
+    )
+
+
+class StaticDFlash:
+    """A DFlash drafter over its own KV pool (its context keys/values, one slot per request,
+    slots shared with the target's). One call: write the keys/values of the newly committed
+    tokens' features, then run the block [root, MASK x D] of every row; returns the top
+    log-probs and token ids per depth [2, B, D, K] (float64). Key: (B, D, ctx, K)."""
+
+    def __init__(self, drafter, slots: int, max_len: int, guard: int, graphs: bool):
+        self.d = drafter
+        net = drafter.net
+        for layer in net.layers:
+            fuse_weights(layer)
+        self.c = c = net.c
+        self.block = c.block_size
+        self.new_rows = c.block_size + 1  # root + accepted path of one round, at most
+        self.pool = KVPool(
+            c, c.num_layers, slots, max_len, guard, drafter.target.device, drafter.target.dtype
+        )
+        self.graphs = GraphCache(graphs, "dflash")
+        self.inputs: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.vocab = None if drafter.vocab is None else drafter.vocab.to(drafter.target.device)
+
+    def feats_buffer(self, key: tuple) -> torch.Tensor:
+        b = key[0]
+        return self._inputs(key)[1].view(b * self.new_rows, -1)
+
+    def _inputs(self, key: tuple):
+        if key not in self.inputs:
+            b, depth = key[:2]
+            dev, c = self.d.target.device, self.c
+            n_int = b * self.new_rows + b + 2 * b * (depth + 1) + 2 * b
+            feats = torch.zeros(
+                b,
+                self.new_rows,
+                len(c.target_layers) * c.hidden_size,
+                device=dev,
+                dtype=self.d.target.dtype,
+            )
+            self.inputs[key] = (torch.zeros(n_int, dtype=torch.long, device=dev), feats)
+        return self.inputs[key]
+
+    @torch.inference_mode()
+    def extend(self, slot: int, start: int, taps: torch.Tensor) -> None:
+        """Eagerly write the context keys/values of many committed tokens (a prompt's)."""
+        n = taps.shape[0]
+        wpos = torch.arange(start, start + n, device=taps.device)
+        rows = torch.tensor([slot], device=taps.device)
+        self._write_context(taps.to(self.d.target.dtype), rows, wpos[None])
+
+    def _write_context(self, taps, rows, wpos) -> None:
+        net = self.d.net
+        c = self.c
+        feats = net.project(taps)  # [B*Wn, H]
+        cos, sin = net.rotary(wpos.reshape(-1), feats.dtype)
+        b, wn = wpos.shape
+        for i, layer in enumerate(net.layers):
+            kv = linear(feats, layer.qkv_weight[c.num_heads * c.head_dim :])
+            k, v = kv.view(b * wn, 2 * c.num_kv_heads, c.head_dim).chunk(2, dim=1)
+            k = apply_rope(k, cos[:, None], sin[:, None])
+            self.pool.k[i][rows[:, None], :, wpos] = k.reshape(b, wn, c.num_kv_heads, c.head_dim)
+            self.pool.v[i][rows[:, None], :, wpos] = v.reshape(b, wn, c.num_kv_heads, c.head_dim)
+
+    @torch.inference_mode()
+    def forward(self, packed: np.ndarray, key: tuple):
+        inp, _ = self._inputs(key)
+        inp.copy_(torch.from_numpy(packed))
+        return self.graphs.run(key, lambda: self._forward(key))
+
+    def _forward(self, key: tuple):
+        b, depth, ctx, topk = key
+        inp, feats = self._inputs(key)
+        net, c, t = self.d.net, self.c, self.d.target
+        wn, q = self.new_rows, depth + 1
+        at = 0
+
+        def take(size):
+            nonlocal at
+            at += size
+            return inp[at - size : at]
+
+        cwpos = take(b * wn).view(b, wn)
+        root = take(b)
+        bwpos = take(b * q).view(b, q)
+        bpos = take(b * q)
+        lens, window = take(b), take(b)
+        rows = torch.arange(b, device=inp.device)
+        self._write_context(feats.view(b * wn, -1), rows, cwpos)
+        emb = t.embed_tokens(root)[:, None]  # [B, 1, H]
+        x = torch.cat([emb, net.mask_embedding.to(emb.dtype).expand(b, depth, -1)], dim=1)
+        x = x.reshape(b * q, -1)
+        cos, sin = net.rotary(bpos, x.dtype)
+        block = torch.ones(b, q, q, dtype=torch.bool, device=inp.device)
+        mask = fold_groups(attention_mask(lens, block, ctx, window), c.num_heads // c.num_kv_heads)
+        for i, layer in enumerate(net.layers):
+            x = layer_step(
+                layer, x, cos, sin, self.pool.k[i], self.pool.v[i], rows, bwpos, mask, ctx, True
+            )
+        hidden = net.norm(x).view(b, q, -1)[:, 1:].reshape(b * depth, -1)
+        logp = torch.log_softmax(linear(hidden, self.d.head).float(), dim=-1)
+        vals, idx = torch.topk(logp, min(topk, logp.shape[-1]), dim=-1)
+        ids = idx if self.vocab is None else self.vocab[idx]
+        return torch.stack([vals.double(), ids.double()]).view(2, b, depth, -1)
+
+
+def pack_draft(cwpos, root, bwpos, bpos, lens, window) -> np.ndarray:
+    return np.concatenate([cwpos.ravel(), root, bwpos.ravel(), bpos.ravel(), lens, window])
