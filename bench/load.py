@@ -98,16 +98,10 @@ async def run_level(
     timeout: float,
     on_done=None,
 ) -> dict:
-    counter = iter(range(10**9))
-    results: list[RequestResult] = []
-    t_start: list[float] = []
-    total = requests + warmup
+    limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency)
+    async with httpx.AsyncClient(limits=limits) as client:
 
-    async def worker(client):
-        while True:
-            i = next(counter)
-            if i >= total:
-                return
+        async def send(i: int) -> RequestResult:
             body = {
                 "model": model,
                 "messages": [{"role": "user", "content": prompts[i % len(prompts)]}],
@@ -118,19 +112,35 @@ async def run_level(
             }
             if ignore_eos:
                 body["ignore_eos"] = True  # extension (ddserve, SGLang, vLLM): fixed length
+            return await one_request(client, url, body, timeout)
+
+        return await closed_loop(send, concurrency, requests, warmup, on_done)
+
+
+async def closed_loop(send, concurrency: int, requests: int, warmup: int, on_done=None) -> dict:
+    """C workers call `send(i)` (i = 0, 1, ...; a coroutine returning a RequestResult) back
+    to back until warmup + requests are done; the level's figures over the counted ones."""
+    counter = iter(range(10**9))
+    results: list[RequestResult] = []
+    t_start: list[float] = []
+    total = requests + warmup
+
+    async def worker():
+        while True:
+            i = next(counter)
+            if i >= total:
+                return
             if i == warmup:
                 t_start.append(time.perf_counter())
-            res = await one_request(client, url, body, timeout)
+            res = await send(i)
             if i >= warmup:
                 results.append(res)
             if on_done:
                 on_done()
 
-    limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency)
-    async with httpx.AsyncClient(limits=limits) as client:
-        t0 = time.perf_counter()
-        await asyncio.gather(*(worker(client) for _ in range(concurrency)))
-        wall = time.perf_counter() - (t_start[0] if t_start else t0)
+    t0 = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    wall = time.perf_counter() - (t_start[0] if t_start else t0)
     ok = [r for r in results if r.ok]
     itl = [x for r in ok for x in r.itl_s]
     taus = [r.tau for r in ok if r.tau is not None]

@@ -62,6 +62,7 @@ ENGINE_FLAGS = {
         str,
         "static KV pool + CUDA graphs: auto (with CUDA) | on | off (default auto)",
     ),
+    "--compile": ("compile", str, "torch.compile the static engine: auto (with CUDA) | on | off"),
 }
 
 

@@ -182,6 +182,10 @@ class EngineConfig(_Frozen):
         "auto",
         description="Static engine: a preallocated KV pool of max_batch slots and fixed-shape forwards, CUDA-graph captured on a GPU. auto = on with CUDA; on = also on CPU (no graphs there); off = the dynamic engine.",
     )
+    compile: Literal["auto", "on", "off"] = Field(
+        "auto",
+        description="torch.compile the static engine's decoder layers (fused kernels; compiled once at start-up, cached on disk by inductor). auto = on with CUDA.",
+    )
 
     @model_validator(mode="after")
     def _engine_rules(self) -> EngineConfig:

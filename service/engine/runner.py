@@ -191,6 +191,8 @@ class EngineRunner:
                 slots=self.config.max_batch,
                 max_context=self.max_context,
                 graphs=device == "cuda",
+                compile=self.config.compile == "on"
+                or (self.config.compile == "auto" and device == "cuda"),
             )
             self.engine.warm_up(self.config.params)  # graph capture: part of readiness
         else:

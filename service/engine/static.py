@@ -192,6 +192,22 @@ def layer_step(block: Block, x, cos, sin, kc, vc, rows, wpos, mask, ctx: int, ro
     return x + linear(F.silu(gate) * up, block.down_proj.weight)
 
 
+_COMPILED = None
+
+
+def compiled_layer_step():
+    """layer_step through torch.compile (inductor fuses the norms, RoPE, SiLU*up and the
+    residual adds into a few kernels per layer). dynamic=True: one compilation serves every
+    batch, width and context size; weights are inputs, so all layers share it."""
+    global _COMPILED
+    if _COMPILED is None:
+        import torch._dynamo
+
+        torch._dynamo.config.cache_size_limit = max(64, torch._dynamo.config.cache_size_limit)
+        _COMPILED = torch.compile(layer_step, dynamic=True)
+    return _COMPILED
+
+
 def fold_groups(mask: torch.Tensor, groups: int) -> torch.Tensor:
     """[B, W, ctx] -> [B, 1, G*W, ctx] matching layer_step's folded query rows."""
     b, w, ctx = mask.shape

@@ -65,13 +65,16 @@ class StaticEngine(DDTreeEngine):
         slots: int,
         max_context: int,
         graphs: bool = True,
+        compile: bool = False,
     ):
         super().__init__(model, drafter, depth, eos_token_ids)
-        self.target = StaticTarget(model, slots, max_context, self.capture, graphs)
+        self.target = StaticTarget(model, slots, max_context, self.capture, graphs, compile=compile)
         self.pool = self.target.pool
         self.sdraft = None
         if isinstance(drafter, DFlashDrafter):
-            self.sdraft = StaticDFlash(drafter, slots, self.pool.max_len, self.pool.guard, graphs)
+            self.sdraft = StaticDFlash(
+                drafter, slots, self.pool.max_len, self.pool.guard, graphs, compile=compile
+            )
         self.timing = {"rounds": 0, "draft_s": 0.0, "tree_s": 0.0, "verify_s": 0.0, "accept_s": 0.0}
 
     @torch.inference_mode()
@@ -142,7 +145,8 @@ class StaticEngine(DDTreeEngine):
             )
         seq = super().new_sequence(prompt, sampling)
         seq.cache = SlotCache(self.pool, self.pool.acquire())
-        seq.draft_state = 0  # DFlash: context entries written to the drafter's slot
+        if self.sdraft is not None:
+            seq.draft_state = 0  # context entries written to the drafter's slot
         seq.pending_rows = []  # DFlash: rows of the last verify's taps not yet drafted from
         return seq
 

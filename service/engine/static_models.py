@@ -20,6 +20,7 @@ from service.engine.static import (
     GraphCache,
     KVPool,
     attention_mask,
+    compiled_layer_step,
     fold_groups,
     fuse_weights,
     layer_step,
@@ -41,8 +42,10 @@ class StaticTarget:
         capture: tuple[int, ...],
         graphs: bool,
         guard: int = 256,
+        compile: bool = False,
     ):
         self.model = model
+        self.layer = compiled_layer_step() if compile else layer_step
         for block in model.layers:
             fuse_weights(block)
         cfg = model.cfg
@@ -90,7 +93,7 @@ class StaticTarget:
         mask = fold_groups(attention_mask(lens, tree, ctx), groups)
         taps = []
         for i, block in enumerate(m.layers):
-            x = layer_step(
+            x = self.layer(
                 block,
                 x,
                 cos,
@@ -122,8 +125,11 @@ class StaticDFlash:
     tokens' features, then run the block [root, MASK x D] of every row; returns the top
     log-probs and token ids per depth [2, B, D, K] (float64). Key: (B, D, ctx, K)."""
 
-    def __init__(self, drafter, slots: int, max_len: int, guard: int, graphs: bool):
+    def __init__(
+        self, drafter, slots: int, max_len: int, guard: int, graphs: bool, compile: bool = False
+    ):
         self.d = drafter
+        self.layer = compiled_layer_step() if compile else layer_step
         net = drafter.net
         for layer in net.layers:
             fuse_weights(layer)
@@ -209,7 +215,7 @@ class StaticDFlash:
         block = torch.ones(b, q, q, dtype=torch.bool, device=inp.device)
         mask = fold_groups(attention_mask(lens, block, ctx, window), c.num_heads // c.num_kv_heads)
         for i, layer in enumerate(net.layers):
-            x = layer_step(
+            x = self.layer(
                 layer, x, cos, sin, self.pool.k[i], self.pool.v[i], rows, bwpos, mask, ctx, True
             )
         hidden = net.norm(x).view(b, q, -1)[:, 1:].reshape(b * depth, -1)

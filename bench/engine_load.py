@@ -1,0 +1,168 @@
+"""Engine throughput without HTTP: closed-loop load on an in-process EngineRunner.
+
+    python -m bench.engine_load [--model smollm2-135m] [--device cuda] [--graphs auto]
+        [--configs ar,dflash-b3k1] [--concurrency 1,4,16,64] [--requests 64]
+        [--max-tokens 128] [--temperature 0] [--prompt-set chat] [--name engine_load]
+
+The worker the server runs (admission by free KV slots, prefill, one verify per round for
+every active request) driven by C asyncio clients, fixed output length (ignore_eos), the
+first C requests of a level not counted. Per level: output tok/s, requests/s, TTFT and
+inter-round latency p50/p99, tau, and for the static engine the host time per round.
+`ddserve bench` measures the same through the HTTP server; this isolates the engine.
+Prints a table, writes NAME.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from bench.engine_cpu import REGISTRY, prompt_set
+from bench.load import RequestResult, closed_loop
+from bench.prompts import chat_ids
+from service.config import EngineConfig
+from service.engine.runner import EngineRunner
+from service.engine.sampling import SamplingParams
+from service.engine.weights import load_model
+
+
+async def one(runner: EngineRunner, prompt: list[int], sampling: SamplingParams):
+    t0 = time.perf_counter()
+    first = last = None
+    gaps, tokens, stats = [], 0, None
+    try:
+        async for out in runner.generate(prompt, sampling):
+            now = time.perf_counter()
+            if out.token_ids:
+                if first is None:
+                    first = now
+                else:
+                    gaps.append((now - last) / len(out.token_ids))
+                last = now
+                tokens += len(out.token_ids)
+            stats = out.stats
+    except Exception as exc:  # noqa: BLE001 - counted as an error of the level
+        return RequestResult(False, error=f"{type(exc).__name__}: {exc}"[:200])
+    return RequestResult(True, first - t0, time.perf_counter() - t0, tokens, gaps, stats.tau)
+
+
+def run_config(lm, name, a, prompts, levels) -> dict:
+    kind, budget, topk = REGISTRY[name]
+    cfg = EngineConfig(
+        model=a.model,
+        device=a.device,
+        max_batch=max(levels),
+        graphs=a.graphs,
+        compile=a.compile,
+        drafter={"kind": kind},
+        params={"budget": budget, "topk": topk, "temperature": a.temperature},
+    )
+    runner = EngineRunner(cfg, loaded=lm)
+    t0 = time.perf_counter()
+    runner.start()
+    row = {
+        "config": name,
+        "engine": type(runner.engine).__name__,
+        "ready_s": round(time.perf_counter() - t0, 2),
+        "levels": [],
+    }
+    for c in levels:
+        timing0 = dict(getattr(runner.engine, "timing", {}))
+
+        async def send(i, c=c):
+            s = SamplingParams(
+                max_tokens=a.max_tokens, ignore_eos=True, temperature=a.temperature, seed=i
+            )
+            return await one(runner, prompts[i % len(prompts)], s)
+
+        lv = asyncio.run(closed_loop(send, c, max(a.requests, 2 * c), c))
+        lv.pop("tau_per_request")
+        tm = getattr(runner.engine, "timing", None)
+        if tm:
+            rounds = max(1, tm["rounds"] - timing0["rounds"])
+            for k in ("draft_s", "tree_s", "verify_s", "accept_s"):
+                lv[k.replace("_s", "_ms_per_round")] = round((tm[k] - timing0[k]) / rounds * 1e3, 3)
+        row["levels"].append(lv)
+        print(
+            f"  {name:14s} C={c:<3d} {lv['output_tok_s']:9.1f} tok/s  tau {lv['tau_mean']}  "
+            f"TTFT p50 {lv['ttft_ms_p50']} ms  ITL p50 {lv['itl_ms_p50']} ms  errors {lv['errors']}",
+            flush=True,
+        )
+    runner.shutdown()
+    runner.engine = None
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--graphs", default="auto", choices=["auto", "on", "off"])
+    ap.add_argument("--compile", default="auto", choices=["auto", "on", "off"])
+    ap.add_argument("--configs", default="ar,dflash-b3k1")
+    ap.add_argument("--concurrency", default="1,4,16,64")
+    ap.add_argument(
+        "--requests", type=int, default=32, help="counted requests per level (at least 2C)"
+    )
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--prompt-set", default="chat")
+    ap.add_argument("--name", default="engine_load")
+    ap.add_argument("--out", default="bench/results")
+    a = ap.parse_args()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    configs = a.configs.split(",")
+    bad = [c for c in configs if c not in REGISTRY or REGISTRY[c][0] == "dflash-fullvocab"]
+    if bad:
+        sys.exit(f"unknown config {bad[0]!r}; known: {', '.join(REGISTRY)}")
+    try:
+        levels = [int(x) for x in a.concurrency.split(",")]
+    except ValueError:
+        sys.exit(f"--concurrency {a.concurrency!r}: expected integers like 1,4,16")
+    device = a.device if a.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    lm = load_model(a.model, device, dtype)
+    prompts = chat_ids(lm.tokenizer, prompt_set(a.prompt_set))
+    dev = torch.cuda.get_device_name() if device == "cuda" else f"{os.cpu_count()} cores"
+    result = {
+        "model": a.model,
+        "machine": f"{platform.machine()} {dev}, torch {torch.__version__}",
+        "dtype": str(dtype),
+        "max_tokens": a.max_tokens,
+        "temperature": a.temperature,
+        "prompt_set": a.prompt_set,
+        "command": "python -m bench.engine_load " + " ".join(sys.argv[1:]),
+        "configs": [],
+    }
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    for name in configs:
+        result["configs"].append(run_config(lm, name, a, prompts, levels))
+        (out / f"{a.name}.json").write_text(json.dumps(result, indent=1))
+    print(
+        f"\n{'config':14s} {'C':>4s} {'tok/s':>9s} {'req/s':>7s} {'tau':>6s} {'TTFT p50':>9s} {'ITL p50':>8s} {'ITL p99':>8s} {'host ms/round':>14s}"
+    )
+    for row in result["configs"]:
+        for lv in row["levels"]:
+            host = lv.get("accept_ms_per_round")
+            print(
+                f"{row['config']:14s} {lv['concurrency']:4d} {lv['output_tok_s']:9.1f} {lv['requests_per_s']:7.2f} "
+                f"{lv['tau_mean'] or 0:6.2f} {lv['ttft_ms_p50'] or 0:9.2f} {lv['itl_ms_p50'] or 0:8.3f} "
+                f"{lv['itl_ms_p99'] or 0:8.3f} {host if host is not None else '-':>14}"
+            )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,177 @@
+"""One verify step of the static engine's target forward, by batch and tree width: CUDA graph
+replay time, host time around it, kernels per step, and the floors.
+
+    python -m bench.static_step [--model smollm2-135m|random-smollm2] [--batches 1,4,16,64]
+        [--widths 2,4,8,16] [--context 256] [--modes eager,graph,compile] [--name static_step]
+
+For each mode (eager: no graph; graph: CUDA graph of the eager kernels; compile: CUDA graph
+of the torch.compile'd layers) and (B, W): the GPU time of one step (CUDA events over 50
+replays), the full call as the engine makes it (pack inputs, copy, replay, read argmax back),
+the kernels one step launches (profiler, eager/compiled run), and the floor: weights + the
+KV entries attended, read once at the measured copy bandwidth. Writes NAME.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from service.engine.llama import LlamaConfig
+from service.engine.static_models import StaticTarget, pack_target
+from service.engine.weights import load_model, random_llama
+
+SMOLLM2 = LlamaConfig(
+    vocab_size=49152,
+    hidden_size=576,
+    intermediate_size=1536,
+    num_layers=30,
+    num_heads=9,
+    num_kv_heads=3,
+    head_dim=64,
+    rope_theta=100000.0,
+    max_position=8192,
+)
+
+
+def copy_bandwidth() -> float:
+    x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    y = torch.empty_like(x)
+    for _ in range(3):
+        y.copy_(x)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(20):
+        y.copy_(x)
+    torch.cuda.synchronize()
+    return 2 * x.numel() * 20 / (time.perf_counter() - t0)  # read + write bytes/s
+
+
+def inputs(st: StaticTarget, b: int, w: int, length: int) -> np.ndarray:
+    tokens = np.random.default_rng(0).integers(0, st.model.cfg.vocab_size, (b, w))
+    pos = np.tile(length + np.arange(w), (b, 1))
+    tree = np.tile(np.tril(np.ones((w, w), dtype=bool)), (b, 1, 1))
+    return pack_target(tokens, pos, pos, np.full(b, length), np.arange(b), tree)
+
+
+def kernels_per_call(fn) -> int:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return sum(e.count for e in prof.key_averages() if e.device_type.name == "CUDA")
+
+
+def measure(st, mode, b, w, ctx, length) -> dict:
+    packed = inputs(st, b, w, length)
+    st.graphs.enabled = mode != "eager"
+
+    def call():
+        _, top, _ = st.forward(packed, b, w, ctx, True)
+        return top.cpu()
+
+    t0 = time.perf_counter()
+    call()  # capture (and compile) happen here
+    torch.cuda.synchronize()
+    first = time.perf_counter() - t0
+    for _ in range(3):
+        call()
+    key = (True, b, w, ctx)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    n = 50
+    if mode == "eager":
+        torch.cuda.synchronize()
+        start.record()
+        for _ in range(n):
+            st._forward(st.inputs[key], key)
+        end.record()
+    else:
+        graph = st.graphs.graphs[key][0]
+        torch.cuda.synchronize()
+        start.record()
+        for _ in range(n):
+            graph.replay()
+        end.record()
+    torch.cuda.synchronize()
+    gpu_ms = start.elapsed_time(end) / n
+    t0 = time.perf_counter()
+    for _ in range(n):
+        call()
+    call_ms = (time.perf_counter() - t0) / n * 1e3
+    kernels = kernels_per_call(lambda: st._forward(st.inputs[key], key))
+    return {
+        "mode": mode,
+        "batch": b,
+        "width": w,
+        "ctx": ctx,
+        "first_call_s": round(first, 2),
+        "step_gpu_ms": round(gpu_ms, 4),
+        "step_call_ms": round(call_ms, 4),
+        "kernels_per_step": kernels,
+        "tokens_per_s_if_all_accepted_1": round(b / (call_ms / 1e3), 1),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--batches", default="1,4,16,64")
+    ap.add_argument("--widths", default="2,4,8,16")
+    ap.add_argument("--context", type=int, default=256, help="committed entries per row")
+    ap.add_argument("--modes", default="eager,graph,compile")
+    ap.add_argument("--name", default="static_step")
+    ap.add_argument("--out", default="bench/results")
+    a = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench.static_step measures CUDA graphs: it needs a GPU")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if a.model == "random-smollm2":
+        model = random_llama(SMOLLM2).to("cuda", torch.bfloat16)
+    else:
+        model = load_model(a.model, "cuda", torch.bfloat16, with_tokenizer=False).model
+    batches = [int(x) for x in a.batches.split(",")]
+    widths = [int(x) for x in a.widths.split(",")]
+    bw = copy_bandwidth()
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    cfg = model.cfg
+    kv_bytes_per_entry = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2
+    result = {
+        "model": a.model,
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "copy_bandwidth_TBps": round(bw / 1e12, 3),
+        "weight_bytes": weight_bytes,
+        "command": "python -m bench.static_step " + " ".join(sys.argv[1:]),
+        "rows": [],
+    }
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    for mode in a.modes.split(","):
+        st = StaticTarget(model, max(batches), 2048, (), True, compile=mode == "compile")
+        ctx = st.ctx_bucket(a.context + max(widths))
+        for b in batches:
+            for w in widths:
+                row = measure(st, mode, b, w, ctx, a.context)
+                floor = (weight_bytes + b * (a.context + w) * kv_bytes_per_entry) / bw * 1e3
+                row["floor_ms"] = round(floor, 4)
+                result["rows"].append(row)
+                print(
+                    f"{mode:8s} B={b:<3d} W={w:<3d} gpu {row['step_gpu_ms']:.3f} ms  call "
+                    f"{row['step_call_ms']:.3f} ms  kernels {row['kernels_per_step']}  floor "
+                    f"{floor:.3f} ms  first {row['first_call_s']} s",
+                    flush=True,
+                )
+                (out / f"{a.name}.json").write_text(json.dumps(result, indent=1))
+        del st
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()

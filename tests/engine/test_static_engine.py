@@ -1,0 +1,143 @@
+"""The static engine (KV pool, fixed-shape forwards, CUDA graphs on a GPU) decodes exactly
+like the dynamic one: same greedy tokens and accept lengths for every drafter, alone and in
+batches with late joiners; sampling follows the target distribution; slots are returned.
+The CUDA tests run on a GPU machine (the device tool), not in CI."""
+
+import asyncio
+
+import numpy as np
+import pytest
+import torch
+
+from service.config import EngineConfig, LiveParams
+from service.engine.ddtree import DDTreeEngine
+from service.engine.dflash import DFlashDrafter
+from service.engine.drafters import ModelDrafter, NGramDrafter, NoDrafter
+from service.engine.runner import EngineRunner
+from service.engine.sampling import SamplingParams
+from service.engine.static_engine import StaticEngine
+from service.engine.weights import random_llama, tiny_config
+from service.errors import EngineError
+from tests.engine.test_batching import PROMPTS, run_lockstep
+from tests.engine.test_lossless import V, chi2_pvalue, exact_pairs, random_dflash
+
+LENGTHS = [30, 12, 25, 40, 5]
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+
+
+def drafters(model):
+    return {
+        "none": lambda: NoDrafter(),
+        "ngram": lambda: NGramDrafter(model.cfg.vocab_size),
+        "dflash-untrained": lambda: DFlashDrafter(random_dflash(model), model),
+    }
+
+
+def compare(model, graphs: bool, configs):
+    for budget, topk, window in configs:
+        params = LiveParams(budget=budget, topk=topk, window=window)
+        for name, make in drafters(model).items():
+            ref = DDTreeEngine(model, make(), 6, ())
+            alone = [
+                ref.generate(p, SamplingParams(max_tokens=n), params)
+                for p, n in zip(PROMPTS, LENGTHS, strict=True)
+            ]
+            eng = StaticEngine(model, make(), 6, (), slots=8, max_context=256, graphs=graphs)
+            mine = [
+                eng.generate(p, SamplingParams(max_tokens=n), params)
+                for p, n in zip(PROMPTS, LENGTHS, strict=True)
+            ]
+            label = f"{name} budget={budget} topk={topk} window={window}"
+            assert [s.output for s in mine] == [s.output for s in alone], label
+            assert [s.stats.accept_lengths for s in mine] == [
+                s.stats.accept_lengths for s in alone
+            ], label
+            assert eng.free_slots == 8  # generate() returned its slot
+            together = run_lockstep(
+                eng,
+                PROMPTS,
+                [SamplingParams(max_tokens=n) for n in LENGTHS],
+                params,
+                join_late={2, 4},
+            )
+            assert together == [s.output for s in alone], label
+            if graphs:
+                assert eng.target.graphs.enabled and eng.target.graphs.graphs, label
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return random_llama(tiny_config(vocab_size=512), seed=3)
+
+
+def test_static_equals_dynamic_cpu(tiny):
+    compare(tiny, False, [(0, 1, 2048), (6, 2, 2048), (16, 4, 4)])
+
+
+def test_static_sampling_follows_target_distribution():
+    cfg = tiny_config(vocab_size=V)
+    target, draft = random_llama(cfg, seed=11), random_llama(cfg, seed=12)
+    probs = exact_pairs(target, [1, 2, 3], 1.0, 1.0, 0)
+    eng = StaticEngine(target, ModelDrafter(draft), 3, (), slots=8, max_context=64, graphs=False)
+    params = LiveParams(budget=6, topk=3)
+    counts = np.zeros(V * V)
+    batch, n = 8, 1600
+    for start in range(0, n, batch):
+        sampling = [
+            SamplingParams(temperature=1.0, max_tokens=2, ignore_eos=True, seed=start + i)
+            for i in range(batch)
+        ]
+        seqs_out = run_lockstep(eng, [[1, 2, 3]] * batch, sampling, params)
+        for out in seqs_out:
+            counts[out[0] * V + out[1]] += 1
+        eng.pool._free = list(range(8))  # run_lockstep does not release
+    assert chi2_pvalue(counts, probs) > 1e-3
+    assert 0.5 * np.abs(counts / counts.sum() - probs).sum() < 0.06
+
+
+def test_slots_are_bounded_and_reused(tiny):
+    eng = StaticEngine(tiny, NoDrafter(), 6, (), slots=2, max_context=64, graphs=False)
+    a = eng.new_sequence([1, 2], SamplingParams(max_tokens=4))
+    b = eng.new_sequence([1, 3], SamplingParams(max_tokens=4))
+    with pytest.raises(EngineError, match="KV slots"):
+        eng.new_sequence([1, 4], SamplingParams(max_tokens=4))
+    eng.release(a)
+    c = eng.new_sequence([1, 4], SamplingParams(max_tokens=4))
+    assert c.cache.slot == 0 and b.cache.slot == 1
+    with pytest.raises(EngineError, match="exceeds"):
+        eng.new_sequence(list(range(1, 100)), SamplingParams(max_tokens=4))
+
+
+def test_runner_queues_requests_beyond_the_pool():
+    """8 concurrent requests through a runner with 2 KV slots: all finish, each with the
+    output it has alone, and every slot comes back."""
+    cfg = EngineConfig(
+        model="tiny-random", device="cpu", max_batch=2, graphs="on", params={"budget": 4, "topk": 2}
+    )
+    runner = EngineRunner(cfg)
+    runner.start()
+    try:
+        assert isinstance(runner.engine, StaticEngine)
+
+        async def one(p):
+            out = []
+            async for step in runner.generate(p, SamplingParams(max_tokens=12, ignore_eos=True)):
+                out += step.token_ids
+            return out
+
+        async def main():
+            together = await asyncio.gather(*(one([1, 5 + i, 9]) for i in range(8)))
+            alone = [await one([1, 5 + i, 9]) for i in range(8)]
+            return together, alone
+
+        together, alone = asyncio.run(main())
+        assert together == alone and all(len(o) == 12 for o in together)
+        assert runner.engine.free_slots == 2
+    finally:
+        runner.shutdown()
+
+
+@cuda
+def test_graphs_equal_dynamic_cuda_fp32():
+    model = random_llama(tiny_config(vocab_size=512), seed=3).cuda()
+    compare(model, True, [(0, 1, 2048), (6, 2, 2048), (16, 4, 4)])
