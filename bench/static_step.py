@@ -63,10 +63,15 @@ def inputs(st: StaticTarget, b: int, w: int, length: int) -> np.ndarray:
 def kernels_per_call(fn) -> int:
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with torch.inference_mode(), profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
-    return sum(e.count for e in prof.key_averages() if e.device_type.name == "CUDA")
+    events = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
+    top = sorted(events, key=lambda e: -e.device_time_total)[:12]
+    kernels_per_call.top = [
+        (e.key[:60], e.count, round(e.device_time_total / 1e3, 3)) for e in top
+    ]  # (name, launches, ms)
+    return sum(e.count for e in events)
 
 
 def measure(st, mode, b, w, ctx, length) -> dict:
@@ -89,8 +94,9 @@ def measure(st, mode, b, w, ctx, length) -> dict:
     if mode == "eager":
         torch.cuda.synchronize()
         start.record()
-        for _ in range(n):
-            st._forward(st.inputs[key], key)
+        with torch.inference_mode():
+            for _ in range(n):
+                st._forward(st.inputs[key], key)
         end.record()
     else:
         graph = st.graphs.graphs[key][0]
@@ -115,6 +121,7 @@ def measure(st, mode, b, w, ctx, length) -> dict:
         "step_gpu_ms": round(gpu_ms, 4),
         "step_call_ms": round(call_ms, 4),
         "kernels_per_step": kernels,
+        "top_kernels_name_count_ms": kernels_per_call.top,
         "tokens_per_s_if_all_accepted_1": round(b / (call_ms / 1e3), 1),
     }
 
