@@ -2,7 +2,7 @@
 
     python -m bench.engine_cpu [--model smollm2-135m] [--max-tokens 96] [--out bench/results]
         [--configs ar,ngram-b4k2,...] [--prompt-set chat|heldout] [--device cpu|cuda]
-        [--dflash DIR] [--name engine_cpu] [--no-server]
+        [--dflash DIR] [--name engine_cpu] [--no-server] [--static]
 
 Prints a table and writes NAME.json (and NAME.png when matplotlib is present). Greedy runs
 must produce the same tokens for every config (lossless; the table says so per row).
@@ -28,6 +28,7 @@ from service.engine.ddtree import DDTreeEngine
 from service.engine.dflash import BUILTIN, DFlashDrafter, load_dflash, load_draft_vocab
 from service.engine.drafters import ModelDrafter, NGramDrafter, NoDrafter
 from service.engine.sampling import SamplingParams
+from service.engine.static_engine import StaticEngine
 from service.engine.weights import load_model
 
 # name -> (drafter kind, budget, topk)
@@ -77,7 +78,13 @@ def prompt_set(name: str) -> list[str]:
 
 
 def engine_runs(
-    lm, texts: list[str], max_tokens: int, temperature: float, configs: list[str], dflash=None
+    lm,
+    texts: list[str],
+    max_tokens: int,
+    temperature: float,
+    configs: list[str],
+    dflash=None,
+    static: bool = False,
 ) -> list[dict]:
     m, tok = lm.model, lm.tokenizer
     prompts = chat_ids(tok, texts)
@@ -85,7 +92,21 @@ def engine_runs(
     for name in configs:
         kind, budget, topk = REGISTRY[name]
         drafter = make_drafter(kind, m, dflash)
-        eng = DDTreeEngine(m, drafter, 8, m.cfg.eos_token_ids)
+        if static:  # the static engine: KV pool, CUDA graphs and torch.compile on a GPU
+            gpu = m.device.type == "cuda"
+            eng = StaticEngine(
+                m,
+                drafter,
+                8,
+                m.cfg.eos_token_ids,
+                slots=1,
+                max_context=2048,
+                graphs=gpu,
+                compile=gpu,
+            )
+            eng.warm_up(LiveParams(budget=budget, topk=topk))
+        else:
+            eng = DDTreeEngine(m, drafter, 8, m.cfg.eos_token_ids)
         eng.generate(
             prompts[0][:8], SamplingParams(max_tokens=4), LiveParams(budget=budget, topk=topk)
         )  # warm-up
@@ -198,6 +219,7 @@ def main() -> None:
     ap.add_argument("--dflash", help="DFlash drafter directory (default: the builtin one)")
     ap.add_argument("--name", default="engine_cpu", help="results file stem")
     ap.add_argument("--no-server", action="store_true", help="skip the cold-start/RSS run")
+    ap.add_argument("--static", action="store_true", help="the static engine (graphs on CUDA)")
     a = ap.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     for c in (a.configs + "," + a.sampled_configs).split(","):
@@ -217,10 +239,12 @@ def main() -> None:
         "command": "python -m bench.engine_cpu " + " ".join(sys.argv[1:]),
     }
     print("greedy (T=0):")
-    result["greedy"] = engine_runs(lm, texts, a.max_tokens, 0.0, a.configs.split(","), a.dflash)
+    result["greedy"] = engine_runs(
+        lm, texts, a.max_tokens, 0.0, a.configs.split(","), a.dflash, a.static
+    )
     print("sampled (T=1):")
     sampled = [c for c in a.sampled_configs.split(",") if c]
-    result["sampled"] = engine_runs(lm, texts, a.max_tokens, 1.0, sampled, a.dflash)
+    result["sampled"] = engine_runs(lm, texts, a.max_tokens, 1.0, sampled, a.dflash, a.static)
     if not a.no_server:
         result["server"] = cold_start(a.model)
     out = Path(a.out)

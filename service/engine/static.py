@@ -167,7 +167,7 @@ def attention_mask(lens, wpos_rel_tree, ctx: int, window=None) -> torch.Tensor:
 def layer_step(block: Block, x, cos, sin, kc, vc, rows, wpos, mask, ctx: int, rows_are_slots):
     """One decoder layer. x [B*W, H]; cos/sin [B*W, hd]; kc/vc: this layer's pool
     [S, kvh, L, hd]; rows [B] slot of each row; wpos [B, W] where each new token's key/value
-    goes; mask [B, 1, G*W, ctx] (G query heads per kv head, folded into the query rows so
+    goes; mask [B, 1, G*W, ctx] additive (G query heads per kv head, folded into the query rows so
     keys are never repeated)."""
     c = block.cfg
     nh, kvh, hd = c.num_heads, c.num_kv_heads, c.head_dim
@@ -208,10 +208,14 @@ def compiled_layer_step():
     return _COMPILED
 
 
-def fold_groups(mask: torch.Tensor, groups: int) -> torch.Tensor:
-    """[B, W, ctx] -> [B, 1, G*W, ctx] matching layer_step's folded query rows."""
+def fold_groups(mask: torch.Tensor, groups: int, dtype) -> torch.Tensor:
+    """[B, W, ctx] bool -> additive bias [B, 1, G*W, ctx] (0 / -inf) in the model's dtype,
+    matching layer_step's folded query rows; made once per forward, so attention does not
+    convert a boolean mask in every layer."""
     b, w, ctx = mask.shape
-    return mask[:, None, None].expand(b, 1, groups, w, ctx).reshape(b, 1, groups * w, ctx)
+    bias = torch.zeros(mask.shape, dtype=dtype, device=mask.device)
+    bias = bias.masked_fill(~mask, float("-inf"))
+    return bias[:, None, None].expand(b, 1, groups, w, ctx).reshape(b, 1, groups * w, ctx)
 
 
 class GraphCache:

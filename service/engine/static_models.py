@@ -90,7 +90,7 @@ class StaticTarget:
         x = m.embed_tokens(tok)
         cos, sin = m.rope(pos)
         groups = m.cfg.num_heads // m.cfg.num_kv_heads
-        mask = fold_groups(attention_mask(lens, tree, ctx), groups)
+        mask = fold_groups(attention_mask(lens, tree, ctx), groups, x.dtype)
         taps = []
         for i, block in enumerate(m.layers):
             x = self.layer(
@@ -213,7 +213,9 @@ class StaticDFlash:
         x = x.reshape(b * q, -1)
         cos, sin = net.rotary(bpos, x.dtype)
         block = torch.ones(b, q, q, dtype=torch.bool, device=inp.device)
-        mask = fold_groups(attention_mask(lens, block, ctx, window), c.num_heads // c.num_kv_heads)
+        mask = fold_groups(
+            attention_mask(lens, block, ctx, window), c.num_heads // c.num_kv_heads, x.dtype
+        )
         for i, layer in enumerate(net.layers):
             x = self.layer(
                 layer, x, cos, sin, self.pool.k[i], self.pool.v[i], rows, bwpos, mask, ctx, True

@@ -4,6 +4,7 @@ batches with late joiners; sampling follows the target distribution; slots are r
 The CUDA tests run on a GPU machine (the device tool), not in CI."""
 
 import asyncio
+import time
 
 import numpy as np
 import pytest
@@ -132,6 +133,9 @@ def test_runner_queues_requests_beyond_the_pool():
 
         together, alone = asyncio.run(main())
         assert together == alone and all(len(o) == 12 for o in together)
+        deadline = time.monotonic() + 5  # the worker releases a slot after the round
+        while runner.engine.free_slots != 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
         assert runner.engine.free_slots == 2
     finally:
         runner.shutdown()
