@@ -2,7 +2,7 @@
 
     python -m bench.engine_cpu [--model smollm2-135m] [--max-tokens 96] [--out bench/results]
         [--configs ar,ngram-b4k2,...] [--prompt-set chat|heldout] [--device cpu|cuda]
-        [--dflash DIR] [--name engine_cpu] [--no-server] [--static]
+        [--dflash DIR] [--name engine_cpu] [--no-server] [--static] [--dtype float32|bfloat16]
 
 Prints a table and writes NAME.json (and NAME.png when matplotlib is present). Greedy runs
 must produce the same tokens for every config (lossless; the table says so per row).
@@ -147,6 +147,7 @@ def engine_runs(
                     if temperature == 0
                     else None
                 ),
+                "divergences": (divergences(m, prompts, ref, outs) if temperature == 0 else None),
             }
         )
         print(
@@ -154,6 +155,38 @@ def engine_runs(
             flush=True,
         )
     return rows
+
+
+@torch.inference_mode()
+def divergences(m, prompts, ref, outs) -> list[dict]:
+    """Where a greedy output leaves the AR reference: the token index and the gap between
+    the two tokens' logits there (the reference prefix re-run through the dynamic forward).
+    A gap at the dtype's resolution (bf16: ~0.06-0.125 at logit sizes 10-30) is a tie that
+    different kernel shapes may break either way."""
+    found = []
+    for k, (p, r, o) in enumerate(zip(prompts, ref, outs, strict=True)):
+        if o == r:
+            continue
+        i = next((j for j, (a, b) in enumerate(zip(r, o, strict=False)) if a != b), None)
+        if i is None:
+            continue
+        toks = torch.tensor(p + r[:i], device=m.device)
+        logits = m(
+            toks,
+            torch.arange(len(toks), device=m.device),
+            m.new_cache(len(toks) + 8),
+            last_only=True,
+        )[-1].float()
+        found.append(
+            {
+                "prompt": k,
+                "index": i,
+                "ar_token": r[i],
+                "token": o[i],
+                "logit_gap": round(float(logits[r[i]] - logits[o[i]]), 4),
+            }
+        )
+    return found
 
 
 def cold_start(model_spec: str) -> dict:
@@ -220,13 +253,15 @@ def main() -> None:
     ap.add_argument("--name", default="engine_cpu", help="results file stem")
     ap.add_argument("--no-server", action="store_true", help="skip the cold-start/RSS run")
     ap.add_argument("--static", action="store_true", help="the static engine (graphs on CUDA)")
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], help="default: bf16 on cuda")
     a = ap.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     for c in (a.configs + "," + a.sampled_configs).split(","):
         if c and c not in REGISTRY:
             sys.exit(f"unknown config {c!r}; known: {', '.join(REGISTRY)}")
     texts = prompt_set(a.prompt_set)
-    dtype = torch.bfloat16 if a.device == "cuda" else torch.float32
+    dtype = getattr(torch, a.dtype) if a.dtype else None
+    dtype = dtype or (torch.bfloat16 if a.device == "cuda" else torch.float32)
     lm = load_model(a.model, a.device, dtype)
     dev = torch.cuda.get_device_name() if a.device == "cuda" else f"{os.cpu_count()} cores"
     result = {
