@@ -3,6 +3,7 @@
     python -m bench.engine_load [--model smollm2-135m] [--device cuda] [--graphs auto]
         [--configs ar,dflash-b3k1] [--concurrency 1,4,16,64] [--requests 64]
         [--max-tokens 128] [--temperature 0] [--prompt-set chat] [--name engine_load]
+        [--compile auto|on|off] [--spec-max-batch N]
 
 The worker the server runs (admission by free KV slots, prefill, one verify per round for
 every active request) driven by C asyncio clients, fixed output length (ignore_eos), the
@@ -63,6 +64,7 @@ def run_config(lm, name, a, prompts, levels) -> dict:
         max_batch=max(levels),
         graphs=a.graphs,
         compile=a.compile,
+        spec_max_batch=a.spec_max_batch,
         drafter={"kind": kind},
         params={"budget": budget, "topk": topk, "temperature": a.temperature},
     )
@@ -111,6 +113,7 @@ def main() -> None:
     ap.add_argument("--device", default="auto")
     ap.add_argument("--graphs", default="auto", choices=["auto", "on", "off"])
     ap.add_argument("--compile", default="auto", choices=["auto", "on", "off"])
+    ap.add_argument("--spec-max-batch", type=int, default=None, help="engine.spec_max_batch")
     ap.add_argument("--configs", default="ar,dflash-b3k1")
     ap.add_argument("--concurrency", default="1,4,16,64")
     ap.add_argument(

@@ -62,6 +62,11 @@ ENGINE_FLAGS = {
         str,
         "static KV pool + CUDA graphs: auto (with CUDA) | on | off (default auto)",
     ),
+    "--spec-max-batch": (
+        "spec_max_batch",
+        int,
+        "rounds with more active requests than this verify without a draft (default: always draft)",
+    ),
     "--compile": ("compile", str, "torch.compile the static engine: auto (with CUDA) | on | off"),
 }
 

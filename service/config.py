@@ -182,6 +182,11 @@ class EngineConfig(_Frozen):
         "auto",
         description="Static engine: a preallocated KV pool of max_batch slots and fixed-shape forwards, CUDA-graph captured on a GPU. auto = on with CUDA; on = also on CPU (no graphs there); off = the dynamic engine.",
     )
+    spec_max_batch: int | None = Field(
+        None,
+        ge=0,
+        description="Rounds with more active requests than this run without a draft (budget 0): at large batches verify compute, not launches, bounds a step and speculation costs more than it saves. None = always speculate.",
+    )
     compile: Literal["auto", "on", "off"] = Field(
         "auto",
         description="torch.compile the static engine's decoder layers (fused kernels; compiled once at start-up, cached on disk by inductor). auto = on with CUDA.",

@@ -96,6 +96,10 @@ class DDTreeEngine:
             seq.cache.commit(len(head))
         seq.stats.prefill_s += time.perf_counter() - t0
 
+    def prefill_batch(self, seqs: list[Sequence]) -> None:
+        for seq in seqs:
+            self.prefill(seq)
+
     def draft(self, seq: Sequence, params: LiveParams) -> torch.Tensor | None:
         depth = min(self.depth, params.budget)
         if depth <= 0:

@@ -317,21 +317,37 @@ class EngineRunner:
     def _run_round(self, reqs: list[_Request], params: LiveParams, fingerprint: str) -> None:
         """One round of every request in `reqs`, their trees verified in one forward. New
         requests are prefilled first (continuous batching: join and leave between rounds)."""
-        ready = []
+        ready, joining = [], []
         for req in reqs:
             if req.cancelled:
                 continue
             if not req.prefilled:
                 try:
                     req.seq = self.engine.new_sequence(req.prompt, req.sampling)
-                    self.engine.prefill(req.seq)
                 except Exception as exc:
                     self._fail(req, exc)
                     continue
-                req.prefilled = True
+                joining.append(req)
             ready.append(req)
+        if joining:  # the new requests' prompts in one batch; one by one if that fails
+            try:
+                self.engine.prefill_batch([r.seq for r in joining])
+            except Exception:
+                for req in joining:
+                    req.seq.hidden_new.clear()  # start each prompt over on its own
+                    req.seq.cache.truncate(0)
+                    try:
+                        self.engine.prefill(req.seq)
+                    except Exception as exc:
+                        self._fail(req, exc)
+            ready = [r for r in ready if not r.failed]
+            for req in joining:
+                req.prefilled = not req.failed
         if not ready:
             return
+        limit = self.config.spec_max_batch
+        if limit is not None and len(ready) > limit and params.budget:
+            params = params.model_copy(update={"budget": 0})  # batch-bound: verify roots only
         try:
             news = self.engine.step_batch([r.seq for r in ready], params)
         except Exception:

@@ -32,6 +32,7 @@ from service.engine.tree import Tree, build_tree, build_tree_top
 from service.errors import EngineError
 
 PREFILL_CHUNKS = (16, 64, 256)
+PREFILL_ROWS = 8  # prompts prefilled together in one forward
 
 
 def bucket_sizes(hi: int) -> list[int]:
@@ -100,20 +101,21 @@ class StaticEngine(DDTreeEngine):
                         zeros, zeros, guard, np.zeros(b, np.int64), np.arange(b), tree
                     )
                     self.target.forward(packed, b, w, ctx, True)
-        for w in PREFILL_CHUNKS:
-            for ctx in ctxs:
-                if ctx >= w:
-                    tree = np.tril(np.ones((w, w), dtype=bool))
-                    guard = np.arange(ml - w, ml)
-                    packed = pack_target(
-                        np.zeros(w, np.int64),
-                        guard,
-                        guard,
-                        np.zeros(1, np.int64),
-                        np.zeros(1, np.int64),
-                        tree,
-                    )
-                    self.target.forward(packed, 1, w, ctx, False)
+        for b in bucket_sizes(PREFILL_ROWS):
+            for w in PREFILL_CHUNKS:
+                for ctx in ctxs:
+                    if ctx >= w:
+                        tree = np.tile(np.tril(np.ones((w, w), dtype=bool)), (b, 1, 1))
+                        guard = np.tile(np.arange(ml - w, ml), (b, 1))
+                        zeros = np.zeros(b, np.int64)
+                        packed = pack_target(
+                            zeros[:, None] + guard * 0, guard, guard, zeros, zeros, tree
+                        )
+                        self.target.forward(packed, b, w, ctx, False)
+        if self.sdraft is not None:  # context-only rounds (budget 0)
+            wn = self.sdraft.new_rows
+            for b in bucket_sizes(self.pool.slots):
+                self.sdraft.write_only(np.tile(np.arange(ml - wn, ml), (b, 1)))
         depth = min(self.depth, params.budget)
         if self.sdraft is not None and depth > 0:
             depth = min(depth, self.sdraft.block)
@@ -147,7 +149,7 @@ class StaticEngine(DDTreeEngine):
         seq.cache = SlotCache(self.pool, self.pool.acquire())
         if self.sdraft is not None:
             seq.draft_state = 0  # context entries written to the drafter's slot
-        seq.pending_rows = []  # DFlash: rows of the last verify's taps not yet drafted from
+            seq.pending = 0  # rows of sdraft.feats[slot] not yet written as context
         return seq
 
     def release(self, seq: Sequence) -> None:
@@ -165,28 +167,51 @@ class StaticEngine(DDTreeEngine):
             self.release(seq)
         return seq
 
-    @torch.inference_mode()
     def prefill(self, seq: Sequence) -> None:
-        """The prompt (all but its last token) in chunks of fixed widths through the
-        one-row forward."""
+        self.prefill_batch([seq])
+
+    @torch.inference_mode()
+    def prefill_batch(self, seqs: list[Sequence]) -> None:
+        """The prompts (all but their last token) of up to PREFILL_ROWS requests per forward,
+        in chunks of fixed widths; each row reads and writes its own slot."""
+        for at in range(0, len(seqs), PREFILL_ROWS):
+            self._prefill_rows(seqs[at : at + PREFILL_ROWS])
+
+    def _prefill_rows(self, seqs: list[Sequence]) -> None:
         t0 = time.perf_counter()
-        head, cache = seq.tokens[:-1], seq.cache
-        at = 0
-        while at < len(head):
-            n = min(len(head) - at, PREFILL_CHUNKS[-1])
-            w = next(c for c in PREFILL_CHUNKS if c >= n)
-            toks = np.zeros(w, dtype=np.int64)
-            toks[:n] = head[at : at + n]
-            pos = np.arange(at, at + w, dtype=np.int64)
-            tree = np.tril(np.ones((w, w), dtype=bool))
-            ctx = self.target.ctx_bucket(at + w)
-            packed = pack_target(toks, pos, pos, np.array([at]), np.array([cache.slot]), tree)
-            _, _, taps = self.target.forward(packed, 1, w, ctx, False)
-            if taps is not None:
-                seq.hidden_new.append(taps[:n].clone())
-            at += n
-        cache.length = len(head)
-        seq.stats.prefill_s += time.perf_counter() - t0
+        heads = [seq.tokens[:-1] for seq in seqs]
+        done = [0] * len(seqs)
+        ml = self.pool.max_len
+        while True:
+            todo = [i for i, h in enumerate(heads) if done[i] < len(h)]
+            if not todo:
+                break
+            n_max = max(min(len(heads[i]) - done[i], PREFILL_CHUNKS[-1]) for i in todo)
+            w = next(c for c in PREFILL_CHUNKS if c >= n_max)
+            b = next_bucket(len(todo), 1, PREFILL_ROWS)
+            toks = np.zeros((b, w), dtype=np.int64)
+            pos = np.tile(np.arange(ml - w, ml), (b, 1))  # rows that only fill the shape
+            lens, rows = np.zeros(b, dtype=np.int64), np.zeros(b, dtype=np.int64)
+            takes, longest = [], 0
+            for r, i in enumerate(todo):
+                at = done[i]
+                n = min(len(heads[i]) - at, w)
+                toks[r, :n] = heads[i][at : at + n]
+                pos[r] = at + np.arange(w)
+                lens[r], rows[r] = at, seqs[i].cache.slot
+                takes.append((r, i, n))
+                longest = max(longest, at + w)
+            tree = np.tile(np.tril(np.ones((w, w), dtype=bool)), (b, 1, 1))
+            packed = pack_target(toks, pos, pos, lens, rows, tree)
+            _, _, taps = self.target.forward(packed, b, w, self.target.ctx_bucket(longest), False)
+            for r, i, n in takes:
+                if taps is not None:
+                    seqs[i].hidden_new.append(taps[r * w : r * w + n].clone())
+                done[i] += n
+        spent = time.perf_counter() - t0
+        for seq, head in zip(seqs, heads, strict=True):
+            seq.cache.length = len(head)
+            seq.stats.prefill_s += spent
 
     # -- one round of a batch -----------------------------------------------------------
     @torch.inference_mode()
@@ -218,7 +243,7 @@ class StaticEngine(DDTreeEngine):
         logits, top, taps = self.target.forward(packed, b, w, ctx, True)
         top = top.cpu().numpy()  # the one sync of the verify
         t3 = time.perf_counter()
-        out, moves = [], ([], [], [])
+        out, moves, src, dst = [], ([], [], []), [], []
         for seq, tree in zip(seqs, trees, strict=True):
             r0 = seq.cache.slot * w
             if not top[1, r0 : r0 + tree.size].all():
@@ -237,15 +262,24 @@ class StaticEngine(DDTreeEngine):
                     moves[1].append(n0 + j)
                     moves[2].append(n0 + i)
             seq.cache.length += len(keep)
-            if self.capture:
-                seq.pending_rows = [r0 + i for i in keep]
-                seq.tree_hidden = taps
+            if self.sdraft is not None:  # root + accepted path feed the next draft
+                src += [r0 + i for i in keep]
+                dst += [seq.cache.slot * self.sdraft.new_rows + j for j in range(len(keep))]
+                seq.pending = len(keep)
             new = [tree.tokens[i] for i in path] + [bonus]
             new = self._truncate_at_stop(seq, new)
             seq.tokens.extend(new)
             seq.output.extend(new)
             out.append(new)
         self.pool.move(*moves)
+        if src:  # copied out now: the next forward of this shape overwrites `taps`
+            dev = taps.device
+            feats = self.sdraft.feats.flatten(0, 1)
+            feats.index_copy_(
+                0,
+                torch.tensor(dst, device=dev),
+                taps.index_select(0, torch.tensor(src, device=dev)),
+            )
         t4 = time.perf_counter()
         tm = self.timing
         tm["rounds"] += 1
@@ -261,59 +295,37 @@ class StaticEngine(DDTreeEngine):
         return out
 
     def _draft_trees(self, seqs: list[Sequence], params: LiveParams) -> list[Tree]:
+        t0 = time.perf_counter()
         depth = min(self.depth, params.budget)
         if self.sdraft is None or depth <= 0:
-            t0 = time.perf_counter()
             if self.sdraft is not None:  # budget 0: keep the drafter's context current
-                for seq in seqs:
-                    self._catch_up(seq, force=True)
+                b = next_bucket(self.pool.used_rows, 1, self.pool.slots)
+                self.sdraft.write_only(self._feed_context(seqs, b))
             trees = [
                 build_tree(seq.tokens[-1], self.draft(seq, params), params.budget, params.topk)
                 for seq in seqs
             ]
             self.timing["draft_s"] += time.perf_counter() - t0
             return trees
-        t0 = time.perf_counter()
         sd = self.sdraft
         depth = min(depth, sd.block)
         b = next_bucket(self.pool.used_rows, 1, self.pool.slots)
-        q, wn, ml = depth + 1, sd.new_rows, self.pool.max_len
-        cwpos = np.tile(np.arange(ml - wn, ml), (b, 1))
+        q, ml = depth + 1, self.pool.max_len
+        cwpos = self._feed_context(seqs, b)
         root = np.zeros(b, dtype=np.int64)
         bwpos = np.tile(np.arange(ml - q, ml), (b, 1))
         bpos = np.zeros((b, q), dtype=np.int64)
         lens = np.zeros(b, dtype=np.int64)
         window = np.full(b, ml, dtype=np.int64)
-        src, dst, longest = [], [], 0
+        longest = 0
         for seq in seqs:
-            self._catch_up(seq, force=False)
-            s, start = seq.cache.slot, seq.draft_state
-            rows = seq.pending_rows
-            cwpos[s, : len(rows)] = start + np.arange(len(rows))
-            src += rows
-            dst += [s * wn + i for i in range(len(rows))]
-            root_pos = start + len(rows)
-            if root_pos != len(seq.tokens) - 1:
-                raise EngineError(
-                    f"DFlash context covers {root_pos} tokens, expected {len(seq.tokens) - 1}"
-                )
-            seq.draft_state = root_pos
-            seq.pending_rows = []
+            s, root_pos = seq.cache.slot, seq.draft_state
             root[s] = seq.tokens[-1]
             bwpos[s] = bpos[s] = root_pos + np.arange(q)
             lens[s], window[s] = root_pos, params.window
             longest = max(longest, root_pos + q)
         topk = next_bucket(params.topk, 1, MAX_TOPK)
         key = (b, depth, self.target.ctx_bucket(longest), topk)
-        if src:
-            taps = seqs[0].tree_hidden
-            feats = sd.feats_buffer(key)
-            dev = feats.device
-            feats.index_copy_(
-                0,
-                torch.tensor(dst, device=dev),
-                taps.index_select(0, torch.tensor(src, device=dev)),
-            )
         top = sd.forward(pack_draft(cwpos, root, bwpos, bpos, lens, window), key).cpu().numpy()
         t1 = time.perf_counter()
         trees = []
@@ -326,19 +338,26 @@ class StaticEngine(DDTreeEngine):
         self.timing["tree_s"] += time.perf_counter() - t1
         return trees
 
-    def _catch_up(self, seq: Sequence, force: bool) -> None:
-        """Context rows the batched draft cannot take in one go (a prompt's), written eagerly."""
-        rows = []
-        if seq.hidden_new:
-            rows = [torch.cat(seq.hidden_new)]
-            seq.hidden_new.clear()
-        if seq.pending_rows and (force or len(seq.pending_rows) > self.sdraft.new_rows):
-            rows.append(
-                seq.tree_hidden.index_select(
-                    0, torch.tensor(seq.pending_rows, device=seq.tree_hidden.device)
+    def _feed_context(self, seqs: list[Sequence], b: int) -> np.ndarray:
+        """Where each sequence's pending feature rows go in the drafter's pool (context write
+        positions [B, new_rows], unused rows to the guard entries); advances draft_state."""
+        wn, ml = self.sdraft.new_rows, self.pool.max_len
+        cwpos = np.tile(np.arange(ml - wn, ml), (b, 1))
+        for seq in seqs:
+            self._catch_up(seq)
+            s, start, n = seq.cache.slot, seq.draft_state, seq.pending
+            cwpos[s, :n] = start + np.arange(n)
+            seq.draft_state, seq.pending = start + n, 0
+            if seq.draft_state != len(seq.tokens) - 1:
+                raise EngineError(
+                    f"DFlash context covers {seq.draft_state} tokens, expected {len(seq.tokens) - 1}"
                 )
-            )
-            seq.pending_rows = []
-        for taps in rows:
+        return cwpos
+
+    def _catch_up(self, seq: Sequence) -> None:
+        """A prompt's context rows (more than one round's), written eagerly after prefill."""
+        if seq.hidden_new:
+            taps = torch.cat(seq.hidden_new)
+            seq.hidden_new.clear()
             self.sdraft.extend(seq.cache.slot, seq.draft_state, taps)
             seq.draft_state += taps.shape[0]

@@ -140,26 +140,36 @@ class StaticDFlash:
             c, c.num_layers, slots, max_len, guard, drafter.target.device, drafter.target.dtype
         )
         self.graphs = GraphCache(graphs, "dflash")
-        self.inputs: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.inputs: dict[tuple, torch.Tensor] = {}
+        # tapped target outputs of each slot's newly committed tokens, copied here right
+        # after the verify that produced them; the next draft writes their keys/values
+        t = drafter.target
+        width = len(c.target_layers) * c.hidden_size
+        self.feats = torch.zeros(slots, self.new_rows, width, device=t.device, dtype=t.dtype)
         self.vocab = None if drafter.vocab is None else drafter.vocab.to(drafter.target.device)
 
-    def feats_buffer(self, key: tuple) -> torch.Tensor:
-        b = key[0]
-        return self._inputs(key)[1].view(b * self.new_rows, -1)
+    @torch.inference_mode()
+    def write_only(self, cwpos: np.ndarray) -> None:
+        """A round without a draft (budget 0): only write the new context entries."""
+        b = cwpos.shape[0]
+        key = ("ctx", b)
+        inp = self._inputs(key)
+        inp.copy_(torch.from_numpy(cwpos.ravel()))
+        rows = torch.arange(b, device=inp.device)
+        self.graphs.run(
+            key,
+            lambda: self._write_context(self.feats[:b].flatten(0, 1), rows, inp.view(b, -1)),
+        )
 
-    def _inputs(self, key: tuple):
+    def _inputs(self, key: tuple) -> torch.Tensor:
+        """Integer inputs of a draft key (B, D, ctx, K) or of a context-only key ("ctx", B)."""
         if key not in self.inputs:
-            b, depth = key[:2]
-            dev, c = self.d.target.device, self.c
-            n_int = b * self.new_rows + b + 2 * b * (depth + 1) + 2 * b
-            feats = torch.zeros(
-                b,
-                self.new_rows,
-                len(c.target_layers) * c.hidden_size,
-                device=dev,
-                dtype=self.d.target.dtype,
-            )
-            self.inputs[key] = (torch.zeros(n_int, dtype=torch.long, device=dev), feats)
+            if key[0] == "ctx":  # the context write positions alone
+                n = key[1] * self.new_rows
+            else:
+                b, depth = key[:2]
+                n = b * self.new_rows + b + 2 * b * (depth + 1) + 2 * b
+            self.inputs[key] = torch.zeros(n, dtype=torch.long, device=self.feats.device)
         return self.inputs[key]
 
     @torch.inference_mode()
@@ -185,13 +195,13 @@ class StaticDFlash:
 
     @torch.inference_mode()
     def forward(self, packed: np.ndarray, key: tuple):
-        inp, _ = self._inputs(key)
+        inp = self._inputs(key)
         inp.copy_(torch.from_numpy(packed))
         return self.graphs.run(key, lambda: self._forward(key))
 
     def _forward(self, key: tuple):
         b, depth, ctx, topk = key
-        inp, feats = self._inputs(key)
+        inp = self._inputs(key)
         net, c, t = self.d.net, self.c, self.d.target
         wn, q = self.new_rows, depth + 1
         at = 0
@@ -207,7 +217,7 @@ class StaticDFlash:
         bpos = take(b * q)
         lens, window = take(b), take(b)
         rows = torch.arange(b, device=inp.device)
-        self._write_context(feats.view(b * wn, -1), rows, cwpos)
+        self._write_context(self.feats[:b].flatten(0, 1), rows, cwpos)
         emb = t.embed_tokens(root)[:, None]  # [B, 1, H]
         x = torch.cat([emb, net.mask_embedding.to(emb.dtype).expand(b, depth, -1)], dim=1)
         x = x.reshape(b * q, -1)

@@ -145,3 +145,64 @@ def test_runner_queues_requests_beyond_the_pool():
 def test_graphs_equal_dynamic_cuda_fp32():
     model = random_llama(tiny_config(vocab_size=512), seed=3).cuda()
     compare(model, True, [(0, 1, 2048), (6, 2, 2048), (16, 4, 4)])
+
+
+def test_batched_prefill_of_long_and_short_prompts(tiny):
+    """Prompts of 1 to 300 tokens prefilled together (several chunks, rows of one forward),
+    then decoded in lockstep with a DFlash drafter: the dynamic engine's output and accept
+    lengths for each."""
+    gen = torch.Generator().manual_seed(0)
+    prompts = [[1], [1, 7, 8], torch.randint(3, 500, (300,), generator=gen).tolist()]
+    prompts.append(torch.randint(3, 500, (70,), generator=gen).tolist())
+    params = LiveParams(budget=8, topk=2)
+    draft = random_dflash(tiny)
+    ref = DDTreeEngine(tiny, DFlashDrafter(draft, tiny), 6, ())
+    alone = [ref.generate(p, SamplingParams(max_tokens=20), params) for p in prompts]
+    eng = StaticEngine(
+        tiny, DFlashDrafter(draft, tiny), 6, (), slots=4, max_context=512, graphs=False
+    )
+    seqs = [eng.new_sequence(p, SamplingParams(max_tokens=20)) for p in prompts]
+    eng.prefill_batch(seqs)
+    while not all(s.finished for s in seqs):
+        eng.step_batch([s for s in seqs if not s.finished], params)
+    assert [s.output for s in seqs] == [s.output for s in alone]
+    assert [s.stats.accept_lengths for s in seqs] == [s.stats.accept_lengths for s in alone]
+
+
+def test_spec_max_batch_switches_crowded_rounds_to_plain_decoding():
+    """With spec_max_batch=1, rounds of several requests verify roots only: outputs stay
+    those of each request alone, in more rounds. (Budget-0 rounds with a DFlash drafter,
+    which still write its context, are in test_static_equals_dynamic_cpu.)"""
+    cfg = EngineConfig(
+        model="tiny-random",
+        device="cpu",
+        max_batch=4,
+        graphs="on",
+        spec_max_batch=1,
+        drafter={"kind": "ngram"},
+        params={"budget": 6, "topk": 2},
+    )
+    runner = EngineRunner(cfg)
+    runner.start()
+    try:
+
+        async def one(p):
+            out, stats = [], None
+            async for step in runner.generate(p, SamplingParams(max_tokens=24, ignore_eos=True)):
+                out += step.token_ids
+                stats = step.stats
+            return out, stats
+
+        async def main():
+            prompts = [[1, 5, 6, 5, 6, 5, 6] * 3, [1, 9, 9, 9, 9, 9] * 3, [1, 4, 4, 2] * 4]
+            together = await asyncio.gather(*(one(p) for p in prompts))
+            alone = [await one(p) for p in prompts]
+            return together, alone
+
+        together, alone = asyncio.run(main())
+        assert [o for o, _ in together] == [o for o, _ in alone]
+        rounds_together = sum(s.verify_rounds for _, s in together)
+        rounds_alone = sum(s.verify_rounds for _, s in alone)
+        assert rounds_together > rounds_alone  # crowded rounds drafted nothing
+    finally:
+        runner.shutdown()
