@@ -155,11 +155,12 @@ class StaticDFlash:
         key = ("ctx", b)
         inp = self._inputs(key)
         inp.copy_(torch.from_numpy(cwpos.ravel()))
-        rows = torch.arange(b, device=inp.device)
-        self.graphs.run(
-            key,
-            lambda: self._write_context(self.feats[:b].flatten(0, 1), rows, inp.view(b, -1)),
-        )
+
+        def fn():  # every tensor the graph reads is made inside it or lives on (no temporaries)
+            rows = torch.arange(b, device=inp.device)
+            self._write_context(self.feats[:b].flatten(0, 1), rows, inp.view(b, -1))
+
+        self.graphs.run(key, fn)
 
     def _inputs(self, key: tuple) -> torch.Tensor:
         """Integer inputs of a draft key (B, D, ctx, K) or of a context-only key ("ctx", B)."""
