@@ -194,7 +194,13 @@ class EngineRunner:
                 compile=self.config.compile == "on"
                 or (self.config.compile == "auto" and device == "cuda"),
             )
-            self.engine.warm_up(self.config.params)  # graph capture: part of readiness
+            spent = self.engine.warm_up(self.config.params)  # part of readiness
+            if spent:
+                log.info(
+                    "warm-up: %d CUDA graphs captured in %.1fs",
+                    self.engine.graph_count,
+                    spent,
+                )
         else:
             self.engine = DDTreeEngine(model, drafter, depth, eos)
         self._fingerprint = self.config.fingerprint()

@@ -135,6 +135,11 @@ class StaticEngine(DDTreeEngine):
         torch.cuda.synchronize()
         return time.perf_counter() - t0
 
+    @property
+    def graph_count(self) -> int:
+        n = len(self.target.graphs.graphs)
+        return n + (len(self.sdraft.graphs.graphs) if self.sdraft is not None else 0)
+
     # -- request lifecycle ----------------------------------------------------------------
     @property
     def free_slots(self) -> int:
