@@ -55,6 +55,8 @@ def run_lockstep(eng, prompts, sampling, params, join_late=()):
             break
         eng.step_batch(active, params)
         rounds += 1
+    for seq in seqs:
+        eng.release(seq)
     return [s.output for s in seqs]
 
 
@@ -80,14 +82,16 @@ def test_batched_greedy_equals_per_request(tiny, budget, topk):
         assert together == alone, name
 
 
-def test_batched_sampling_follows_target_distribution():
+def check_batched_sampling(make_engine, n: int = 2400, tv: float = 0.05) -> None:
+    """Batches of 8 requests sampling 2 tokens (T=1) through `make_engine(target, drafter)`:
+    the pair frequencies must match exact enumeration of the target's distribution."""
     cfg = tiny_config(vocab_size=V)
     target, draft = random_llama(cfg, seed=11), random_llama(cfg, seed=12)
     probs = exact_pairs(target, [1, 2, 3], 1.0, 1.0, 0)
-    eng = DDTreeEngine(target, ModelDrafter(draft), 3, ())
+    eng = make_engine(target, ModelDrafter(draft))
     params = LiveParams(budget=6, topk=3)
     counts = np.zeros(V * V)
-    batch, n = 8, 2400
+    batch = 8
     for start in range(0, n, batch):
         sampling = [
             SamplingParams(temperature=1.0, max_tokens=2, ignore_eos=True, seed=start + i)
@@ -96,4 +100,8 @@ def test_batched_sampling_follows_target_distribution():
         for out in run_lockstep(eng, [[1, 2, 3]] * batch, sampling, params):
             counts[out[0] * V + out[1]] += 1
     assert chi2_pvalue(counts, probs) > 1e-3
-    assert 0.5 * np.abs(counts / counts.sum() - probs).sum() < 0.05
+    assert 0.5 * np.abs(counts / counts.sum() - probs).sum() < tv
+
+
+def test_batched_sampling_follows_target_distribution():
+    check_batched_sampling(lambda target, drafter: DDTreeEngine(target, drafter, 3, ()))

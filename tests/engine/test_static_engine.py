@@ -6,21 +6,20 @@ The CUDA tests run on a GPU machine (the device tool), not in CI."""
 import asyncio
 import time
 
-import numpy as np
 import pytest
 import torch
 
 from service.config import EngineConfig, LiveParams
 from service.engine.ddtree import DDTreeEngine
 from service.engine.dflash import DFlashDrafter
-from service.engine.drafters import ModelDrafter, NGramDrafter, NoDrafter
+from service.engine.drafters import NGramDrafter, NoDrafter
 from service.engine.runner import EngineRunner
 from service.engine.sampling import SamplingParams
 from service.engine.static_engine import StaticEngine
 from service.engine.weights import random_llama, tiny_config
 from service.errors import EngineError
-from tests.engine.test_batching import PROMPTS, run_lockstep
-from tests.engine.test_lossless import V, chi2_pvalue, exact_pairs, random_dflash
+from tests.engine.test_batching import PROMPTS, check_batched_sampling, run_lockstep
+from tests.engine.test_lossless import random_dflash
 
 LENGTHS = [30, 12, 25, 40, 5]
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
@@ -76,24 +75,13 @@ def test_static_equals_dynamic_cpu(tiny):
 
 
 def test_static_sampling_follows_target_distribution():
-    cfg = tiny_config(vocab_size=V)
-    target, draft = random_llama(cfg, seed=11), random_llama(cfg, seed=12)
-    probs = exact_pairs(target, [1, 2, 3], 1.0, 1.0, 0)
-    eng = StaticEngine(target, ModelDrafter(draft), 3, (), slots=8, max_context=64, graphs=False)
-    params = LiveParams(budget=6, topk=3)
-    counts = np.zeros(V * V)
-    batch, n = 8, 1600
-    for start in range(0, n, batch):
-        sampling = [
-            SamplingParams(temperature=1.0, max_tokens=2, ignore_eos=True, seed=start + i)
-            for i in range(batch)
-        ]
-        seqs_out = run_lockstep(eng, [[1, 2, 3]] * batch, sampling, params)
-        for out in seqs_out:
-            counts[out[0] * V + out[1]] += 1
-        eng.pool._free = list(range(8))  # run_lockstep does not release
-    assert chi2_pvalue(counts, probs) > 1e-3
-    assert 0.5 * np.abs(counts / counts.sum() - probs).sum() < 0.06
+    check_batched_sampling(
+        lambda target, drafter: StaticEngine(
+            target, drafter, 3, (), slots=8, max_context=64, graphs=False
+        ),
+        n=1600,
+        tv=0.06,
+    )
 
 
 def test_slots_are_bounded_and_reused(tiny):
