@@ -221,6 +221,8 @@ def fold_groups(mask: torch.Tensor, groups: int, dtype) -> torch.Tensor:
 class GraphCache:
     """CUDA graphs of `fn(key)` per shape key, sharing one memory pool. `fn` reads its inputs
     from buffers that stay put and returns its outputs; a replay refreshes them in place.
+    Every tensor `fn` reads must outlive the graph: one made outside it and dropped after the
+    capture is freed memory at replay (make such index tensors inside `fn`).
     Off (or on CPU) it just calls `fn`. A capture that fails turns graphs off for good (logged):
     the engine stays correct, only slower."""
 

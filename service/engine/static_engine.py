@@ -4,7 +4,7 @@
   * one preallocated KV pool; a request holds a slot from `new_sequence` to `release`
   * the verify of every active request in one fixed-shape forward (rows = slots 0..B-1,
     W = tree width bucket, ctx = key-length bucket), captured as a CUDA graph per shape
-  * prefill in fixed chunks through the same forward (one row, its slot gathered)
+  * prefill in fixed chunks through the same forward (up to 8 prompts, their slots gathered)
   * the DFlash drafter batched the same way over its own pool (context keys/values written
     in place, no per-round allocation), also graph-captured
   * argmax and the finiteness check inside the graph: one device->host copy per verify;
@@ -108,9 +108,8 @@ class StaticEngine(DDTreeEngine):
                         tree = np.tile(np.tril(np.ones((w, w), dtype=bool)), (b, 1, 1))
                         guard = np.tile(np.arange(ml - w, ml), (b, 1))
                         zeros = np.zeros(b, np.int64)
-                        packed = pack_target(
-                            zeros[:, None] + guard * 0, guard, guard, zeros, zeros, tree
-                        )
+                        toks = np.zeros((b, w), np.int64)
+                        packed = pack_target(toks, guard, guard, zeros, zeros, tree)
                         self.target.forward(packed, b, w, ctx, False)
         if self.sdraft is not None:  # context-only rounds (budget 0)
             wn = self.sdraft.new_rows

@@ -15,6 +15,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from service.config import MAX_BUDGET
 from service.engine.llama import Llama, apply_rope, linear
 from service.engine.static import (
     GraphCache,
@@ -24,7 +25,12 @@ from service.engine.static import (
     fold_groups,
     fuse_weights,
     layer_step,
+    next_bucket,
 )
+
+# scratch entries at the end of every slot: the widest forward (a tree of MAX_BUDGET nodes
+# plus its root, rounded up to a power of two) writes its padding there
+GUARD = next_bucket(MAX_BUDGET + 1, 256, 1 << 20)
 
 
 def round_up(n: int, m: int) -> int:
@@ -41,7 +47,7 @@ class StaticTarget:
         max_context: int,
         capture: tuple[int, ...],
         graphs: bool,
-        guard: int = 256,
+        guard: int = GUARD,
         compile: bool = False,
     ):
         self.model = model

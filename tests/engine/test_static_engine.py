@@ -71,7 +71,7 @@ def tiny():
 
 
 def test_static_equals_dynamic_cpu(tiny):
-    compare(tiny, False, [(0, 1, 2048), (6, 2, 2048), (16, 4, 4)])
+    compare(tiny, False, [(0, 1, 2048), (6, 2, 2048), (16, 4, 4), (40, 8, 64)])
 
 
 def test_static_sampling_follows_target_distribution():
