@@ -105,9 +105,11 @@ class SlotCache:
         return self.length
 
     def reserve(self, n_new: int) -> None:
-        if self.length + n_new > self.pool.usable:
+        """Pending entries may run into the guard (a tree verified at the end of the context);
+        committed ones stay within `usable` because requests are admitted within max_context."""
+        if self.length + n_new > self.pool.max_len:
             raise EngineError(
-                f"context of {self.length + n_new} tokens exceeds the KV slot's {self.pool.usable}"
+                f"context of {self.length + n_new} tokens exceeds the KV slot's {self.pool.max_len}"
             )
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor):

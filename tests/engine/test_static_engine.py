@@ -194,3 +194,18 @@ def test_spec_max_batch_switches_crowded_rounds_to_plain_decoding():
         assert rounds_together > rounds_alone  # crowded rounds drafted nothing
     finally:
         runner.shutdown()
+
+
+def test_trees_at_the_end_of_the_context(tiny):
+    """A request that fills its context to the last entry while verifying 17-node trees:
+    the trees' pending entries run into the slot's guard, the output is the dynamic one's."""
+    params = LiveParams(budget=16, topk=4)
+    prompt = [1] + [5, 6, 7, 8] * 10  # 41 tokens + 23 new = the whole 64-token context
+    draft = random_dflash(tiny)
+    ref = DDTreeEngine(tiny, DFlashDrafter(draft, tiny), 6, ())
+    want = ref.generate(prompt, SamplingParams(max_tokens=23), params).output
+    eng = StaticEngine(
+        tiny, DFlashDrafter(draft, tiny), 6, (), slots=2, max_context=64, graphs=False
+    )
+    assert eng.pool.usable == 64
+    assert eng.generate(prompt, SamplingParams(max_tokens=23), params).output == want
