@@ -120,6 +120,7 @@ RAY_ENV = "RAY_SERVE_PROXY_PREFER_LOCAL_NODE_ROUTING=0 RAY_USAGE_STATS_ENABLED=0
 def _common_service(opts: UnitOptions) -> str:
     return f"""WorkingDirectory={opts.workdir}
 Environment=HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 DDSERVE_CACHE=/var/cache/ddserve HF_HOME=/var/cache/ddserve/hf
+Environment=TORCHINDUCTOR_CACHE_DIR=/var/cache/ddserve/inductor TRITON_CACHE_DIR=/var/cache/ddserve/triton
 CacheDirectory=ddserve
 StateDirectory=ddserve
 Restart=on-failure

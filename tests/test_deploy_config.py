@@ -34,6 +34,9 @@ def test_bad_configs_name_field_value_and_rule(tmp_path, text, needle):
 def test_shipped_configs_validate():
     assert load_config(ROOT / "deploy" / "default.yaml").engine.kind == "builtin"
     assert load_config(ROOT / "deploy" / "kimi-tp8.yaml").engine.tp_size == 8
+    gpu = load_config(ROOT / "deploy" / "smollm2-gpu.yaml")
+    assert gpu.engine.device == "cuda" and gpu.engine.spec_max_batch == 2
+    assert gpu.max_ongoing_requests >= gpu.engine.max_batch  # Serve lets every slot fill
 
 
 def test_cli_up_with_a_bad_config_exits_2_with_one_line(tmp_path):
