@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from service.engine.llama import LlamaConfig
+from service.engine.static import compile_layer_step, layer_step
 from service.engine.static_models import StaticTarget, pack_target
 from service.engine.weights import load_model, random_llama
 
@@ -161,7 +162,8 @@ def main() -> None:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     for mode in a.modes.split(","):
-        st = StaticTarget(model, max(batches), 2048, (), True, compile=mode == "compile")
+        layer_fn = compile_layer_step() if mode == "compile" else layer_step
+        st = StaticTarget(model, max(batches), 2048, (), True, layer_fn=layer_fn)
         ctx = st.ctx_bucket(a.context + max(widths))
         for b in batches:
             for w in widths:

@@ -194,20 +194,16 @@ def layer_step(block: Block, x, cos, sin, kc, vc, rows, wpos, mask, ctx: int, ro
     return x + linear(F.silu(gate) * up, block.down_proj.weight)
 
 
-_COMPILED = None
-
-
-def compiled_layer_step():
+def compile_layer_step():
     """layer_step through torch.compile (inductor fuses the norms, RoPE, SiLU*up and the
     residual adds into a few kernels per layer). dynamic=True: one compilation serves every
-    batch, width and context size; weights are inputs, so all layers share it."""
-    global _COMPILED
-    if _COMPILED is None:
-        import torch._dynamo
+    batch, width and context size; weights are inputs, so all layers (and the drafter's)
+    share it. The engine makes one and hands it to its forwards."""
+    import torch._dynamo
 
-        torch._dynamo.config.cache_size_limit = max(64, torch._dynamo.config.cache_size_limit)
-        _COMPILED = torch.compile(layer_step, dynamic=True)
-    return _COMPILED
+    # every (B, W, ctx) class that dynamic shapes specialise on counts against this limit
+    torch._dynamo.config.cache_size_limit = max(64, torch._dynamo.config.cache_size_limit)
+    return torch.compile(layer_step, dynamic=True)
 
 
 def fold_groups(mask: torch.Tensor, groups: int, dtype) -> torch.Tensor:

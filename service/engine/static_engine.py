@@ -26,7 +26,7 @@ from service.engine.ddtree import DDTreeEngine, Sequence
 from service.engine.dflash import DFlashDrafter
 from service.engine.llama import Llama
 from service.engine.sampling import SamplingParams, target_tokens
-from service.engine.static import SlotCache, next_bucket
+from service.engine.static import SlotCache, compile_layer_step, layer_step, next_bucket
 from service.engine.static_models import StaticDFlash, StaticTarget, pack_draft, pack_target
 from service.engine.tree import Tree, build_tree, build_tree_top
 from service.errors import EngineError
@@ -69,12 +69,15 @@ class StaticEngine(DDTreeEngine):
         compile: bool = False,
     ):
         super().__init__(model, drafter, depth, eos_token_ids)
-        self.target = StaticTarget(model, slots, max_context, self.capture, graphs, compile=compile)
+        layer_fn = compile_layer_step() if compile else layer_step  # the hot step, compiled once
+        self.target = StaticTarget(
+            model, slots, max_context, self.capture, graphs, layer_fn=layer_fn
+        )
         self.pool = self.target.pool
         self.sdraft = None
         if isinstance(drafter, DFlashDrafter):
             self.sdraft = StaticDFlash(
-                drafter, slots, self.pool.max_len, self.pool.guard, graphs, compile=compile
+                drafter, slots, self.pool.max_len, self.pool.guard, graphs, layer_fn=layer_fn
             )
         self.timing = {"rounds": 0, "draft_s": 0.0, "tree_s": 0.0, "verify_s": 0.0, "accept_s": 0.0}
 

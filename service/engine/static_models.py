@@ -21,7 +21,6 @@ from service.engine.static import (
     GraphCache,
     KVPool,
     attention_mask,
-    compiled_layer_step,
     fold_groups,
     fuse_weights,
     layer_step,
@@ -48,10 +47,10 @@ class StaticTarget:
         capture: tuple[int, ...],
         graphs: bool,
         guard: int = GUARD,
-        compile: bool = False,
+        layer_fn=layer_step,
     ):
         self.model = model
-        self.layer = compiled_layer_step() if compile else layer_step
+        self.layer = layer_fn  # layer_step, or the engine's compiled version of it
         for block in model.layers:
             fuse_weights(block)
         cfg = model.cfg
@@ -132,10 +131,10 @@ class StaticDFlash:
     log-probs and token ids per depth [2, B, D, K] (float64). Key: (B, D, ctx, K)."""
 
     def __init__(
-        self, drafter, slots: int, max_len: int, guard: int, graphs: bool, compile: bool = False
+        self, drafter, slots: int, max_len: int, guard: int, graphs: bool, layer_fn=layer_step
     ):
         self.d = drafter
-        self.layer = compiled_layer_step() if compile else layer_step
+        self.layer = layer_fn
         net = drafter.net
         for layer in net.layers:
             fuse_weights(layer)
