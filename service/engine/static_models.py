@@ -92,7 +92,8 @@ class StaticTarget:
         lens, rows = inp[3 * n : 3 * n + b], inp[3 * n + b : 3 * n + 2 * b]
         tree = inp[3 * n + 2 * b :].view(b, w, w).bool()
         wpos = wpos.view(b, w)
-        x = m.embed_tokens(tok)
+        # tok/pos: [B*W]  wpos: [B, W]  lens/rows: [B]  tree: [B, W, W]
+        x = m.embed_tokens(tok)  # [B*W, H]
         cos, sin = m.rope(pos)
         groups = m.cfg.num_heads // m.cfg.num_kv_heads
         mask = fold_groups(attention_mask(lens, tree, ctx), groups, x.dtype)
@@ -119,6 +120,8 @@ class StaticTarget:
 
 
 def pack_target(tokens, pos, wpos, lens, rows, tree) -> np.ndarray:
+    """[B, W] tokens, positions, write positions; [B] lengths, slots; [B, W, W] tree mask ->
+    one int64 vector (one host->device copy)."""
     return np.concatenate(
         [tokens.ravel(), pos.ravel(), wpos.ravel(), lens, rows, tree.ravel().astype(np.int64)]
     )
