@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from bench.gpu_compare import copy_bandwidth
 from service.engine.llama import LlamaConfig
 from service.engine.static import compile_layer_step, layer_step
 from service.engine.static_models import StaticTarget, pack_target
@@ -39,19 +40,6 @@ SMOLLM2 = LlamaConfig(
     rope_theta=100000.0,
     max_position=8192,
 )
-
-
-def copy_bandwidth() -> float:
-    x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-    y = torch.empty_like(x)
-    for _ in range(3):
-        y.copy_(x)
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(20):
-        y.copy_(x)
-    torch.cuda.synchronize()
-    return 2 * x.numel() * 20 / (time.perf_counter() - t0)  # read + write bytes/s
 
 
 def inputs(st: StaticTarget, b: int, w: int, length: int) -> np.ndarray:

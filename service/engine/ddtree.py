@@ -208,7 +208,10 @@ class DDTreeEngine:
     def generate(self, prompt: list[int], sampling: SamplingParams, params: LiveParams) -> Sequence:
         """Run one request to completion (tests, benchmarks; the server uses `step`)."""
         seq = self.new_sequence(prompt, sampling)
-        self.prefill(seq)
-        while not seq.finished:
-            self.step(seq, params)
+        try:
+            self.prefill(seq)
+            while not seq.finished:
+                self.step(seq, params)
+        finally:
+            self.release(seq)
         return seq

@@ -28,7 +28,7 @@ from service.engine.llama import Llama
 from service.engine.sampling import SamplingParams, target_tokens
 from service.engine.static import SlotCache, compile_layer_step, layer_step, next_bucket
 from service.engine.static_models import StaticDFlash, StaticTarget, pack_draft, pack_target
-from service.engine.tree import Tree, build_tree, build_tree_top
+from service.engine.tree import Tree, ancestor_mask, build_tree, build_tree_top
 from service.errors import EngineError
 
 PREFILL_CHUNKS = (16, 64, 256)
@@ -42,17 +42,6 @@ def bucket_sizes(hi: int) -> list[int]:
         out.append(b)
         b *= 2
     return [*out, hi]
-
-
-def tree_mask_np(tree: Tree, width: int) -> np.ndarray:
-    m = np.zeros((width, width), dtype=bool)
-    for i, p in enumerate(tree.parents):
-        if p >= 0:
-            m[i] = m[p]
-        m[i, i] = True
-    for i in range(tree.size, width):  # padding nodes see themselves
-        m[i, i] = True
-    return m
 
 
 class StaticEngine(DDTreeEngine):
@@ -164,16 +153,6 @@ class StaticEngine(DDTreeEngine):
             self.pool.release(seq.cache.slot)
             seq.cache = None
 
-    def generate(self, prompt, sampling, params) -> Sequence:
-        seq = self.new_sequence(prompt, sampling)
-        try:
-            self.prefill(seq)
-            while not seq.finished:
-                self.step(seq, params)
-        finally:
-            self.release(seq)
-        return seq
-
     def prefill(self, seq: Sequence) -> None:
         self.prefill_batch([seq])
 
@@ -241,7 +220,7 @@ class StaticEngine(DDTreeEngine):
             pos[slot, : tree.size] = n0 + np.asarray(tree.depths)
             wpos[slot] = n0 + np.arange(w)
             lens[slot] = n0
-            tree_m[slot] = tree_mask_np(tree, w)
+            tree_m[slot] = ancestor_mask(tree, w)
             longest = max(longest, n0 + w)
             seq.cache.reserve(tree.size)
         ctx = self.target.ctx_bucket(longest)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -92,13 +93,22 @@ def build_tree_top(
     return tree
 
 
-def tree_mask(tree: Tree, device=None) -> torch.Tensor:
-    """[n+1, n+1] bool: mask[i, j] = node j is node i or one of its ancestors."""
+def ancestor_mask(tree: Tree, width: int | None = None) -> np.ndarray:
+    """[W, W] bool (W = width or the tree's size): mask[i, j] = node j is node i or one of
+    its ancestors. Rows past the tree (padding to a fixed width) see only themselves."""
     n = tree.size
-    mask = torch.zeros(n, n, dtype=torch.bool)
-    for i in range(n):
-        p = tree.parents[i]
+    width = width or n
+    mask = np.zeros((width, width), dtype=bool)
+    for i, p in enumerate(tree.parents):  # parents precede children
         if p >= 0:
             mask[i] = mask[p]
         mask[i, i] = True
+    pad = np.arange(n, width)
+    mask[pad, pad] = True
+    return mask
+
+
+def tree_mask(tree: Tree, device=None) -> torch.Tensor:
+    """[n+1, n+1] bool torch tensor of `ancestor_mask`."""
+    mask = torch.from_numpy(ancestor_mask(tree))
     return mask.to(device) if device is not None else mask
