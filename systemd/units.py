@@ -160,26 +160,33 @@ def engine_unit(opts: UnitOptions) -> str:
     )
 
 
-def ray_head_unit(opts: UnitOptions, cfg: ServeConfig) -> str:
+def _ray_unit(opts: UnitOptions, description: str, start_args: str, env_file: str = "") -> str:
+    """A Ray node kept in the foreground (`ray start --block`) and stopped with `ray stop`."""
     ray = shlex.quote(str(Path(opts.python).with_name("ray")))
     return _daemon_unit(
         opts,
-        "Description=ddserve Ray head node",
-        f"Environment={RAY_ENV}\n"
-        f"ExecStart={ray} start --head --block --port {opts.ray_port} --num-cpus {max(1, int(cfg.cpus_per_replica))} --temp-dir=/var/lib/ddserve/ray\n"
+        f"Description={description}",
+        env_file + f"Environment={RAY_ENV}\n"
+        f"ExecStart={ray} start {start_args} --temp-dir=/var/lib/ddserve/ray\n"
         f"ExecStop={ray} stop",
     )
 
 
-def ray_worker_unit(opts: UnitOptions) -> str:
-    ray = shlex.quote(str(Path(opts.python).with_name("ray")))
-    return _daemon_unit(
+def ray_head_unit(opts: UnitOptions, cfg: ServeConfig) -> str:
+    cpus = max(1, int(cfg.cpus_per_replica))
+    return _ray_unit(
         opts,
-        "Description=ddserve Ray worker node (joins DDSERVE_RAY_HEAD)",
-        f"EnvironmentFile={opts.env_dir}/ray-worker.env\n"
-        f"Environment={RAY_ENV}\n"
-        f"ExecStart={ray} start --block --address ${{DDSERVE_RAY_HEAD}} --temp-dir=/var/lib/ddserve/ray\n"
-        f"ExecStop={ray} stop",
+        "ddserve Ray head node",
+        f"--head --block --port {opts.ray_port} --num-cpus {cpus}",
+    )
+
+
+def ray_worker_unit(opts: UnitOptions) -> str:
+    return _ray_unit(
+        opts,
+        "ddserve Ray worker node (joins DDSERVE_RAY_HEAD)",
+        "--block --address ${DDSERVE_RAY_HEAD}",
+        env_file=f"EnvironmentFile={opts.env_dir}/ray-worker.env\n",
     )
 
 

@@ -69,10 +69,7 @@ class StaticTarget:
 
     def ctx_bucket(self, longest: int) -> int:
         """Keys attended per row: a power of two >= the longest committed + new entries."""
-        b = 128
-        while b < longest:
-            b *= 2
-        return min(b, self.pool.max_len)
+        return next_bucket(longest, 128, self.pool.max_len)
 
     @torch.inference_mode()
     def forward(self, packed: np.ndarray, b: int, w: int, ctx: int, rows_are_slots: bool):
