@@ -1,6 +1,6 @@
 """Builtin engine: tok/s and tau per drafter and tree config, cold start, peak RSS.
 
-    python -m bench.engine_cpu [--model smollm2-135m] [--max-tokens 96] [--out bench/results]
+    python -m ddserve.bench.engine_cpu [--model smollm2-135m] [--max-tokens 96] [--out bench/results]
         [--configs ar,ngram-b4k2,...] [--prompt-set chat|heldout] [--device cpu|cuda]
         [--dflash DIR] [--name engine_cpu] [--no-server] [--static] [--dtype float32|bfloat16]
 
@@ -22,14 +22,14 @@ from pathlib import Path
 import httpx
 import torch
 
-from bench.prompts import CHAT_PROMPTS, chat_ids
-from service.config import LiveParams
-from service.engine.ddtree import DDTreeEngine
-from service.engine.dflash import BUILTIN, DFlashDrafter, load_dflash, load_draft_vocab
-from service.engine.drafters import ModelDrafter, NGramDrafter, NoDrafter
-from service.engine.sampling import SamplingParams
-from service.engine.static_engine import StaticEngine
-from service.engine.weights import load_model
+from ddserve.bench.prompts import CHAT_PROMPTS, chat_ids
+from ddserve.config.engine import LiveParams
+from ddserve.engine.ddtree import DDTreeEngine
+from ddserve.engine.dflash import BUILTIN, DFlashDrafter, load_dflash, load_draft_vocab
+from ddserve.engine.drafters import ModelDrafter, NGramDrafter, NoDrafter
+from ddserve.engine.sampling import SamplingParams
+from ddserve.engine.static_engine import StaticEngine
+from ddserve.engine.weights import load_model
 
 # name -> (drafter kind, budget, topk)
 REGISTRY = {
@@ -71,7 +71,7 @@ def make_drafter(kind: str, m, dflash_dir: str | None):
 def prompt_set(name: str) -> list[str]:
     if name == "chat":
         return list(CHAT_PROMPTS)
-    from training.prompts import heldout_prompts
+    from ddserve.training.prompts import heldout_prompts
 
     held = heldout_prompts()  # 8 chat prompts, then held-out HumanEval problems
     return held if name == "heldout" else held[: int(name.split(":")[1])]
@@ -194,7 +194,7 @@ def cold_start(model_spec: str) -> dict:
     port = 30000 + os.getpid() % 20000
     t0 = time.perf_counter()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "service.cli", "engine", "--model", model_spec, "--port", str(port)],
+        [sys.executable, "-m", "ddserve", "engine", "--model", model_spec, "--port", str(port)],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
@@ -271,7 +271,7 @@ def main() -> None:
         "max_tokens": a.max_tokens,
         "prompt_set": a.prompt_set,
         "prompts": len(texts),
-        "command": "python -m bench.engine_cpu " + " ".join(sys.argv[1:]),
+        "command": "python -m ddserve.bench.engine_cpu " + " ".join(sys.argv[1:]),
     }
     print("greedy (T=0):")
     result["greedy"] = engine_runs(

@@ -1,6 +1,6 @@
 """Engine throughput without HTTP: closed-loop load on an in-process EngineRunner.
 
-    python -m bench.engine_load [--model smollm2-135m] [--device cuda] [--graphs auto]
+    python -m ddserve.bench.engine_load [--model smollm2-135m] [--device cuda] [--graphs auto]
         [--configs ar,dflash-b3k1] [--concurrency 1,4,16,64] [--requests 64]
         [--max-tokens 128] [--temperature 0] [--prompt-set chat] [--name engine_load]
         [--compile auto|on|off] [--spec-max-batch N]
@@ -27,13 +27,13 @@ from pathlib import Path
 
 import torch
 
-from bench.engine_cpu import REGISTRY, prompt_set
-from bench.load import RequestResult, closed_loop
-from bench.prompts import chat_ids
-from service.config import EngineConfig
-from service.engine.runner import EngineRunner
-from service.engine.sampling import SamplingParams
-from service.engine.weights import load_model
+from ddserve.bench.engine_cpu import REGISTRY, prompt_set
+from ddserve.bench.load import RequestResult, closed_loop
+from ddserve.bench.prompts import chat_ids
+from ddserve.config.engine import EngineConfig
+from ddserve.engine.runner import EngineRunner
+from ddserve.engine.sampling import SamplingParams
+from ddserve.engine.weights import load_model
 
 
 async def one(runner: EngineRunner, prompt: list[int], sampling: SamplingParams):
@@ -146,7 +146,7 @@ def main() -> None:
         "max_tokens": a.max_tokens,
         "temperature": a.temperature,
         "prompt_set": a.prompt_set,
-        "command": "python -m bench.engine_load " + " ".join(sys.argv[1:]),
+        "command": "python -m ddserve.bench.engine_load " + " ".join(sys.argv[1:]),
         "configs": [],
     }
     out = Path(a.out)

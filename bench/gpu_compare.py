@@ -1,6 +1,6 @@
 """Hugging Face generation next to our engine on one GPU, and the physical floors.
 
-    python -m bench.gpu_compare [--model smollm2-135m] [--max-tokens 128] [--out DIR]
+    python -m ddserve.bench.gpu_compare [--model smollm2-135m] [--max-tokens 128] [--out DIR]
         [--device cuda|cpu] [--skip NAME,...] [--name gpu_compare]
 
 On CPU (fp32) the floors and the profile are skipped (they are CUDA measurements).
@@ -28,12 +28,12 @@ from pathlib import Path
 
 import torch
 
-from bench.prompts import CHAT_PROMPTS, chat_ids
-from service.config import LiveParams
-from service.engine.ddtree import DDTreeEngine
-from service.engine.drafters import NoDrafter
-from service.engine.sampling import SamplingParams
-from service.engine.weights import load_model, to_hf
+from ddserve.bench.prompts import CHAT_PROMPTS, chat_ids
+from ddserve.config.engine import LiveParams
+from ddserve.engine.ddtree import DDTreeEngine
+from ddserve.engine.drafters import NoDrafter
+from ddserve.engine.sampling import SamplingParams
+from ddserve.engine.weights import load_model, to_hf
 
 
 def sync():

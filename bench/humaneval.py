@@ -8,7 +8,7 @@ import importlib.util
 import json
 from pathlib import Path
 
-from service.errors import ConfigError
+from ddserve.errors import ConfigError
 
 
 def humaneval_problems() -> list[dict]:

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from service.errors import ConfigError
+from ddserve.errors import ConfigError
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """Chat-style benchmark prompts (written for ddserve; a mix of code, editing and Q&A)."""
 
-from service.server.text import render_chat
+from ddserve.api.text import render_chat
 
 
 def chat_ids(tokenizer, texts: list[str]) -> list[list[int]]:

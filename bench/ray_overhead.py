@@ -1,6 +1,6 @@
 """Added latency of the Ray Serve path over calling the same engine directly.
 
-    python -m bench.ray_overhead [--model tiny-random:7] [--requests 48] [--out bench/results]
+    python -m ddserve.bench.ray_overhead [--model tiny-random:7] [--requests 48] [--out bench/results]
 
 Deploys one replica on a local loopback Ray cluster, then sends the same requests to (a) the
 Serve HTTP proxy and (b) that replica's own engine process (its native OpenAI endpoint),
@@ -76,9 +76,9 @@ def main() -> None:
     import ray
     from ray import serve
 
-    from service.cli_serve import replica_states
-    from service.deploy_config import ServeConfig
-    from service.serve.replica import build_app
+    from ddserve.config.deploy import ServeConfig
+    from ddserve.serve.registry import replica_states
+    from ddserve.serve.replica import build_app
 
     ray.init(num_cpus=2, logging_level="ERROR", log_to_driver=False, include_dashboard=False)
     serve.start(http_options={"host": "127.0.0.1", "port": 8199})

@@ -11,7 +11,7 @@ py=${PYTHON:-python3}
 mkdir -p "$out"
 SECONDS=0
 # shellcheck disable=SC2086
-$py -m service.cli engine --port "$port" $engine_flags >"$out/engine.log" 2>&1 &
+$py -m ddserve engine --port "$port" $engine_flags >"$out/engine.log" 2>&1 &
 pid=$!
 if ! $py - "$port" <<'PY'
 import sys, time, httpx
@@ -32,7 +32,7 @@ then
 fi
 echo "engine ready after ${SECONDS}s"
 # shellcheck disable=SC2086
-$py -m service.cli bench --url "http://127.0.0.1:$port" --out "$out" --no-progress $bench_flags
+$py -m ddserve bench --url "http://127.0.0.1:$port" --out "$out" --no-progress $bench_flags
 rc=$?
 kill "$pid"
 wait "$pid" 2>/dev/null

@@ -1,7 +1,7 @@
 """One verify step of the static engine's target forward, by batch and tree width: CUDA graph
 replay time, host time around it, kernels per step, and the floors.
 
-    python -m bench.static_step [--model smollm2-135m|random-smollm2] [--batches 1,4,16,64]
+    python -m ddserve.bench.static_step [--model smollm2-135m|random-smollm2] [--batches 1,4,16,64]
         [--widths 2,4,8,16] [--context 256] [--modes eager,graph,compile] [--name static_step]
 
 For each mode (eager: no graph; graph: CUDA graph of the eager kernels; compile: CUDA graph
@@ -23,11 +23,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from bench.gpu_compare import copy_bandwidth
-from service.engine.llama import LlamaConfig
-from service.engine.static import compile_layer_step, layer_step
-from service.engine.static_models import StaticTarget, pack_target
-from service.engine.weights import load_model, random_llama
+from ddserve.bench.gpu_compare import copy_bandwidth
+from ddserve.engine.llama import LlamaConfig
+from ddserve.engine.static import compile_layer_step, layer_step
+from ddserve.engine.static_models import StaticTarget, pack_target
+from ddserve.engine.weights import load_model, random_llama
 
 SMOLLM2 = LlamaConfig(
     vocab_size=49152,
@@ -126,7 +126,7 @@ def main() -> None:
     ap.add_argument("--out", default="bench/results")
     a = ap.parse_args()
     if not torch.cuda.is_available():
-        sys.exit("bench.static_step measures CUDA graphs: it needs a GPU")
+        sys.exit("ddserve.bench.static_step measures CUDA graphs: it needs a GPU")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if a.model == "random-smollm2":
         model = random_llama(SMOLLM2).to("cuda", torch.bfloat16)
@@ -144,7 +144,7 @@ def main() -> None:
         "torch": torch.__version__,
         "copy_bandwidth_TBps": round(bw / 1e12, 3),
         "weight_bytes": weight_bytes,
-        "command": "python -m bench.static_step " + " ".join(sys.argv[1:]),
+        "command": "python -m ddserve.bench.static_step " + " ".join(sys.argv[1:]),
         "rows": [],
     }
     out = Path(a.out)

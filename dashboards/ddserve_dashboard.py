@@ -1,4 +1,4 @@
-"""The ddserve Grafana dashboard, as code. `python -m dashboards.ddserve_dashboard` rewrites
+"""The ddserve Grafana dashboard, as code. `python -m ddserve.dashboards.ddserve_dashboard` rewrites
 dashboards/ddserve.json (committed). Speculation panels come first.
 
 Every query reads the replicas' metrics as Prometheus sees them (Ray's `ray_` prefix, label

@@ -1,7 +1,7 @@
 """Render the dashboard's main panels from a real Prometheus to one PNG (matplotlib), so a
 reader sees what the Grafana dashboard shows without Grafana.
 
-    python -m dashboards.render_png --prometheus http://127.0.0.1:9090 --out docs/dashboard.png
+    python -m ddserve.dashboards.render_png --prometheus http://127.0.0.1:9090 --out docs/dashboard.png
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import time
 
 import httpx
 
-from dashboards.ddserve_dashboard import PANELS
+from ddserve.dashboards.ddserve_dashboard import PANELS
 
 MAIN = [0, 3, 4, 6]  # acceptance length, tok/s, TTFT, requests by status
 

@@ -12,7 +12,7 @@ bash deploy/install.sh
 if [ -f /tmp/ddserve-engine.pid ] && kill -0 "$(cat /tmp/ddserve-engine.pid)" 2>/dev/null; then
   kill "$(cat /tmp/ddserve-engine.pid)"; sleep 1
 fi
-nohup "$PY" -m service.cli engine --port "$PORT" --drafter dflash --budget 3 --topk 1 >/tmp/ddserve-engine.log 2>&1 &
+nohup "$PY" -m ddserve engine --port "$PORT" --drafter dflash --budget 3 --topk 1 >/tmp/ddserve-engine.log 2>&1 &
 echo $! >/tmp/ddserve-engine.pid
 echo "starting the engine (first start converts the bundled GGUF once, ~30 s; log: /tmp/ddserve-engine.log)"
 for _ in $(seq 1 300); do
@@ -20,7 +20,7 @@ for _ in $(seq 1 300); do
   kill -0 "$(cat /tmp/ddserve-engine.pid)" 2>/dev/null || { tail -20 /tmp/ddserve-engine.log; exit 1; }
   sleep 1
 done
-"$PY" -m service.cli chat "What is the capital of France? Answer in one sentence." --url "http://127.0.0.1:$PORT"
+"$PY" -m ddserve chat "What is the capital of France? Answer in one sentence." --url "http://127.0.0.1:$PORT"
 cat <<MSG
 
 The engine is still serving on http://127.0.0.1:$PORT (OpenAI API under /v1). Try:

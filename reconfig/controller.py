@@ -16,10 +16,10 @@ import time
 from collections.abc import Callable
 from datetime import UTC, datetime
 
-from reconfig.history import History
-from reconfig.plan import Plan, desired_config, plan
-from service.config import EngineConfig
-from service.errors import DDServeError
+from ddserve.config.engine import EngineConfig
+from ddserve.errors import DDServeError
+from ddserve.reconfig.history import History
+from ddserve.reconfig.plan import Plan, desired_config, plan
 
 
 class RolloutFailed(DDServeError):

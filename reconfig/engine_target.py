@@ -24,12 +24,12 @@ from pathlib import Path
 
 import httpx
 
-from reconfig.controller import RolloutFailed
-from reconfig.history import History
-from reconfig.plan import Plan
-from service.cli import ENGINE_FLAGS, env_name
-from service.config import EngineConfig
-from service.engine_process import EngineProcess
+from ddserve.backends.process import EngineProcess
+from ddserve.config.engine import EngineConfig
+from ddserve.config.flags import ENGINE_FLAGS, env_name
+from ddserve.reconfig.controller import RolloutFailed
+from ddserve.reconfig.history import History
+from ddserve.reconfig.plan import Plan
 
 
 def env_file_text(cfg: EngineConfig, note: str = "") -> str:
@@ -80,7 +80,7 @@ class ProcessSupervisor:
         self.proc: EngineProcess | None = None
 
     def start(self) -> None:
-        cmd = [sys.executable, "-m", "service.cli", "engine", "--port", str(self.port)]
+        cmd = [sys.executable, "-m", "ddserve", "engine", "--port", str(self.port)]
         self.proc = EngineProcess(
             None,
             port=self.port,

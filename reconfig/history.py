@@ -11,7 +11,7 @@ import json
 import os
 from pathlib import Path
 
-from service.errors import ConfigError
+from ddserve.errors import ConfigError
 
 
 def state_root() -> Path:

@@ -16,9 +16,9 @@ from typing import Any
 
 import yaml
 
-from service.config import EngineConfig, LiveParams, validate
-from service.errors import ConfigError
-from service.sglang_launcher import RESTART_FIELDS as SGLANG_RESTART_FIELDS
+from ddserve.backends.sglang import RESTART_FIELDS as SGLANG_RESTART_FIELDS
+from ddserve.config.engine import EngineConfig, LiveParams, validate
+from ddserve.errors import ConfigError
 
 SHORTHAND = {name: f"params.{name}" for name in LiveParams.model_fields}
 

@@ -21,11 +21,11 @@ from collections.abc import Callable
 
 import httpx
 
-from reconfig.controller import RolloutFailed
-from reconfig.history import History
-from reconfig.plan import Plan
-from service.config import EngineConfig
-from service.deploy_config import ServeConfig
+from ddserve.config.deploy import ServeConfig
+from ddserve.config.engine import EngineConfig
+from ddserve.reconfig.controller import RolloutFailed
+from ddserve.reconfig.history import History
+from ddserve.reconfig.plan import Plan
 
 
 def token_digest(token: str | None) -> str:
@@ -64,7 +64,7 @@ class RayTarget:
         )
 
     def observe(self) -> list[dict]:
-        from service.cli_serve import replica_states
+        from ddserve.serve.registry import replica_states
 
         fresh = 3 * self.init_cfg.health.period_s + 5
         return [
@@ -83,7 +83,7 @@ class RayTarget:
     ) -> list[dict]:
         from ray import serve
 
-        from service.serve.replica import build_app
+        from ddserve.serve.replica import build_app
 
         # live: the same init args as deployed (Serve reconfigures in place); restart: new ones
         init_cfg = (

@@ -27,10 +27,10 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from reconfig.engine_target import env_file_text
-from service.config import EngineConfig
-from service.deploy_config import ServeConfig
-from service.errors import ConfigError
+from ddserve.config.deploy import ServeConfig
+from ddserve.config.engine import EngineConfig
+from ddserve.errors import ConfigError
+from ddserve.reconfig.engine_target import env_file_text
 
 GPU_DEVICES = [
     "/dev/nvidiactl rw",
@@ -156,7 +156,7 @@ def engine_unit(opts: UnitOptions) -> str:
         opts,
         f"Description=ddserve builtin DDTree engine %i\nDocumentation=file://{opts.workdir}/README.md",
         f"EnvironmentFile={opts.env_dir}/engine-%i.env\n"
-        f"ExecStart={opts.python} -m service.cli engine --host ${{DDSERVE_HOST}} --port ${{DDSERVE_PORT}}",
+        f"ExecStart={opts.python} -m ddserve engine --host ${{DDSERVE_HOST}} --port ${{DDSERVE_PORT}}",
     )
 
 
@@ -200,9 +200,9 @@ After=ddserve-ray-head.service
 Type=oneshot
 RemainAfterExit=yes
 Environment=DDSERVE_RAY_LOOPBACK=0
-ExecStart={opts.python} -m service.cli up --config {opts.config_path} --address 127.0.0.1:{opts.ray_port}
-ExecReload={opts.python} -m service.cli up --config {opts.config_path} --address 127.0.0.1:{opts.ray_port}
-ExecStop={opts.python} -m service.cli down --config {opts.config_path} --address 127.0.0.1:{opts.ray_port}
+ExecStart={opts.python} -m ddserve up --config {opts.config_path} --address 127.0.0.1:{opts.ray_port}
+ExecReload={opts.python} -m ddserve up --config {opts.config_path} --address 127.0.0.1:{opts.ray_port}
+ExecStop={opts.python} -m ddserve down --config {opts.config_path} --address 127.0.0.1:{opts.ray_port}
 TimeoutStartSec=1800
 WorkingDirectory={opts.workdir}
 Environment=HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1

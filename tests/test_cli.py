@@ -16,7 +16,7 @@ import pytest
 )
 def test_bad_engine_arguments_exit_nonzero_with_one_line(args, needle):
     r = subprocess.run(
-        [sys.executable, "-m", "service.cli", "engine", "--port", "1", *args],
+        [sys.executable, "-m", "ddserve", "engine", "--port", "1", *args],
         capture_output=True,
         text=True,
         timeout=120,

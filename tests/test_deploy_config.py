@@ -4,8 +4,8 @@ from pathlib import Path
 
 import pytest
 
-from service.deploy_config import load_config
-from service.errors import ConfigError
+from ddserve.config.deploy import load_config
+from ddserve.errors import ConfigError
 
 ROOT = Path(__file__).parents[1]
 
@@ -43,7 +43,7 @@ def test_cli_up_with_a_bad_config_exits_2_with_one_line(tmp_path):
     p = tmp_path / "c.yaml"
     p.write_text("engine: {params: {topk: 0}}")
     r = subprocess.run(
-        [sys.executable, "-m", "service.cli", "up", "--config", str(p)],
+        [sys.executable, "-m", "ddserve", "up", "--config", str(p)],
         capture_output=True,
         text=True,
         timeout=60,

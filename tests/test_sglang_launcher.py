@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from service.config import EngineConfig
-from service.deploy_config import load_config
-from service.errors import ConfigError
-from service.serve.replica import deployment_options
-from service.sglang_launcher import sglang_command
+from ddserve.backends.sglang import sglang_command
+from ddserve.config.deploy import load_config
+from ddserve.config.engine import EngineConfig
+from ddserve.errors import ConfigError
+from ddserve.serve.replica import deployment_options
 
 ROOT = Path(__file__).parents[1]
 PARSER_ENV = ROOT / "build" / "sglang-parser"

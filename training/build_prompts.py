@@ -1,7 +1,7 @@
 """Build training/data/stdlib_prompts.jsonl.gz: chat prompts made from the docstrings of the
 Python standard library (PSF licence), for a corpus more diverse than the templated chat set.
 
-    python -m training.build_prompts   # deterministic for one Python version (3.11 here)
+    python -m ddserve.training.build_prompts   # deterministic for one Python version (3.11 here)
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The drafter's training corpus: the target answers prompts (self-distillation), batched
-through transformers with the target's own weights (`service.engine.weights.to_hf`)."""
+through transformers with the target's own weights (`ddserve.engine.weights.to_hf`)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ from pathlib import Path
 
 import torch
 
-from bench.prompts import chat_ids
-from service.engine.weights import to_hf
-from training.prompts import training_prompts
+from ddserve.bench.prompts import chat_ids
+from ddserve.engine.weights import to_hf
+from ddserve.training.prompts import training_prompts
 
 
 def log(**kv) -> None:

@@ -1,6 +1,6 @@
 """Train a DFlash-style block drafter for a target by self-distillation.
 
-    python -m training.dflash --model smollm2-135m --work /tmp/dflash --out service/engine/dflash_weights/smollm2-135m
+    python -m ddserve.training.dflash --model smollm2-135m --work /tmp/dflash --out service/engine/dflash_weights/smollm2-135m
 
 Stages (each writes into --work and is skipped when its output exists):
   corpus  the target answers training/prompts.py's prompts (greedy and T=1 samples, batched
@@ -10,7 +10,7 @@ Stages (each writes into --work and is skipped when its output exists):
           its root and itself, bidirectionally); cross-entropy weighted by depth; AdamW with
           a time-based cosine schedule, checkpoints as it goes -> drafter/ (safetensors+config)
   eval    per-depth agreement with the target's greedy continuation of held-out prompts
-          -> eval.json; tau with DDTree is bench.dflash_eval's job (the engine, not training)
+          -> eval.json; tau with DDTree is ddserve.bench.dflash_eval's job (the engine, not training)
 
 Runs on CPU (tiny smoke runs) and CUDA (bf16 autocast); prints one JSON line per log step.
 """
@@ -29,11 +29,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from bench.prompts import chat_ids
-from service.engine.dflash import DFlashConfig, DFlashModel, block_weights, load_dflash, save_dflash
-from service.engine.weights import load_model, to_hf
-from training.corpus import generate, log, pad_and_stops, stage_corpus
-from training.prompts import heldout_prompts
+from ddserve.bench.prompts import chat_ids
+from ddserve.engine.dflash import DFlashConfig, DFlashModel, block_weights, load_dflash, save_dflash
+from ddserve.engine.weights import load_model, to_hf
+from ddserve.training.corpus import generate, log, pad_and_stops, stage_corpus
+from ddserve.training.prompts import heldout_prompts
 
 
 def make_batch(seqs, nb: int, L: int, max_len: int, rng: random.Random, pad: int):
@@ -187,7 +187,7 @@ def stage_train(args, lm, corpus, work: Path) -> DFlashModel:
         "lr": args.lr,
         "gamma": args.gamma,
         "final_loss_ema": loss_ema,
-        "command": " ".join(["python -m training.dflash", *sys.argv[1:]]),
+        "command": " ".join(["python -m ddserve.training.dflash", *sys.argv[1:]]),
         "init": args.init,
     }
     save_dflash(draft, out_dir, meta)

@@ -3,7 +3,7 @@ LM head over K rows instead of the whole vocabulary (on a 2-core CPU the full 49
 costs ~10 ms per draft, a fifth of a target step). Verification is untouched, so output stays
 lossless; a target token outside the subset can only be the bonus token, never a draft.
 
-    python -m training.draft_vocab --model smollm2-135m --k 16384 --out DIR
+    python -m ddserve.training.draft_vocab --model smollm2-135m --k 16384 --out DIR
 
 Frequencies: the drafter's training prompts plus the Python standard library's own source
 (code and English prose, both on this machine); EOS and special tokens are always kept.
@@ -20,8 +20,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from service.engine.weights import load_tokenizer
-from training.prompts import training_prompts
+from ddserve.engine.weights import load_tokenizer
+from ddserve.training.prompts import training_prompts
 
 
 def texts(max_bytes: int) -> list[str]:

@@ -7,7 +7,7 @@ Two sources, both offline:
     several languages, rewriting, summaries, recipes, comparisons, Q&A), seeded shuffle.
   * Requests built from Python 3.11 standard-library docstrings (PSF licence; explain,
     summarise, write a program / tests): training/data/stdlib_prompts.jsonl.gz, made by
-    `python -m training.build_prompts`. The templated set alone over-fitted: 79% next-token
+    `python -m ddserve.training.build_prompts`. The templated set alone over-fitted: 79% next-token
     agreement on prompts like the training ones, 33% on held-out ones (bench/NOTES.md).
 """
 
@@ -18,8 +18,8 @@ import json
 import random
 from pathlib import Path
 
-from bench.humaneval import humaneval_problems
-from bench.prompts import CHAT_PROMPTS
+from ddserve.bench.humaneval import humaneval_problems
+from ddserve.bench.prompts import CHAT_PROMPTS
 
 SUBJECTS = """photosynthesis; black holes; the French Revolution; compound interest; the water cycle;
 neural networks; volcanoes; the Roman Empire; climate change; vaccines; blockchain; gravity;

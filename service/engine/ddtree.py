@@ -3,7 +3,7 @@
     prefill  the prompt (all but its last token) into the target's KV cache
     per round:
       draft       drafter -> per-depth log-probs [L, V] over the windowed context
-      build_tree  best-first tree of `budget` nodes (service.engine.tree)
+      build_tree  best-first tree of `budget` nodes (ddserve.engine.tree)
       verify      one target forward over [root + nodes] with the tree mask
       accept      target token at every node; walk while it is a child; first miss = bonus
       commit      keep the KV of root + accepted path; the bonus becomes the next root
@@ -20,12 +20,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from service.config import LiveParams
-from service.engine.drafters import DraftContext, Drafter
-from service.engine.llama import KVCache, Llama
-from service.engine.sampling import RequestStats, SamplingParams, target_tokens
-from service.engine.tree import Tree, build_tree, tree_mask
-from service.errors import EngineError
+from ddserve.config.engine import LiveParams
+from ddserve.engine.drafters import DraftContext, Drafter
+from ddserve.engine.llama import KVCache, Llama
+from ddserve.engine.sampling import RequestStats, SamplingParams, target_tokens
+from ddserve.engine.tree import Tree, build_tree, tree_mask
+from ddserve.errors import EngineError
 
 
 @dataclass

@@ -30,9 +30,9 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from service.engine.drafters import DraftContext
-from service.engine.llama import Block, Llama, LlamaConfig, RMSNorm, Rotary, apply_rope, linear
-from service.errors import ConfigError
+from ddserve.engine.drafters import DraftContext
+from ddserve.engine.llama import Block, Llama, LlamaConfig, RMSNorm, Rotary, apply_rope, linear
+from ddserve.errors import ConfigError
 
 BUILTIN_DIR = Path(__file__).parent / "dflash_weights"
 BUILTIN = {"smollm2-135m": BUILTIN_DIR / "smollm2-135m"}

@@ -15,7 +15,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from service.engine.llama import KVCache, Llama
+from ddserve.engine.llama import KVCache, Llama
 
 
 @dataclass

@@ -28,12 +28,12 @@ from dataclasses import dataclass
 
 import torch
 
-from service.config import EngineConfig, LiveParams
-from service.engine.ddtree import DDTreeEngine, Sequence
-from service.engine.drafters import Drafter, ModelDrafter, NGramDrafter, NoDrafter
-from service.engine.sampling import RequestStats, SamplingParams
-from service.engine.weights import LoadedModel, load_model
-from service.errors import ConfigError, EngineError, EngineUnavailable, InvalidRequest
+from ddserve.config.engine import EngineConfig, LiveParams
+from ddserve.engine.ddtree import DDTreeEngine, Sequence
+from ddserve.engine.drafters import Drafter, ModelDrafter, NGramDrafter, NoDrafter
+from ddserve.engine.sampling import RequestStats, SamplingParams
+from ddserve.engine.weights import LoadedModel, load_model
+from ddserve.errors import ConfigError, EngineError, EngineUnavailable, InvalidRequest
 
 log = logging.getLogger(__name__)
 
@@ -89,12 +89,12 @@ def build_drafter(
     if d.kind == "ngram":
         return NGramDrafter(target.model.cfg.vocab_size, d.ngram_max, d.ngram_min)
     if d.kind == "dflash":
-        from service.engine.dflash import BUILTIN, DFlashDrafter, load_dflash, load_draft_vocab
+        from ddserve.engine.dflash import BUILTIN, DFlashDrafter, load_dflash, load_draft_vocab
 
         path = d.dflash_path or BUILTIN.get(config.model)
         if path is None:
             raise InvalidRequest(
-                f"drafter.kind=dflash: no builtin DFlash drafter for model {config.model!r}; set drafter.dflash_path (train one with python -m training.dflash)",
+                f"drafter.kind=dflash: no builtin DFlash drafter for model {config.model!r}; set drafter.dflash_path (train one with python -m ddserve.training.dflash)",
                 param="drafter.dflash_path",
             )
         try:
@@ -181,7 +181,7 @@ class EngineRunner:
         depth, eos = self.config.drafter.depth, model.cfg.eos_token_ids
         graphs = self.config.graphs
         if graphs == "on" or (graphs == "auto" and device == "cuda"):
-            from service.engine.static_engine import StaticEngine
+            from ddserve.engine.static_engine import StaticEngine
 
             self.engine = StaticEngine(
                 model,

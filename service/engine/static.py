@@ -26,8 +26,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from service.engine.llama import Block, LlamaConfig, apply_rope, linear
-from service.errors import EngineError
+from ddserve.engine.llama import Block, LlamaConfig, apply_rope, linear
+from ddserve.errors import EngineError
 
 log = logging.getLogger(__name__)
 

@@ -21,15 +21,15 @@ import time
 import numpy as np
 import torch
 
-from service.config import MAX_TOPK, LiveParams
-from service.engine.ddtree import DDTreeEngine, Sequence
-from service.engine.dflash import DFlashDrafter
-from service.engine.llama import Llama
-from service.engine.sampling import SamplingParams, target_tokens
-from service.engine.static import SlotCache, compile_layer_step, layer_step, next_bucket
-from service.engine.static_models import StaticDFlash, StaticTarget, pack_draft, pack_target
-from service.engine.tree import Tree, ancestor_mask, build_tree, build_tree_top
-from service.errors import EngineError
+from ddserve.config.engine import MAX_TOPK, LiveParams
+from ddserve.engine.ddtree import DDTreeEngine, Sequence
+from ddserve.engine.dflash import DFlashDrafter
+from ddserve.engine.llama import Llama
+from ddserve.engine.sampling import SamplingParams, target_tokens
+from ddserve.engine.static import SlotCache, compile_layer_step, layer_step, next_bucket
+from ddserve.engine.static_models import StaticDFlash, StaticTarget, pack_draft, pack_target
+from ddserve.engine.tree import Tree, ancestor_mask, build_tree, build_tree_top
+from ddserve.errors import EngineError
 
 PREFILL_CHUNKS = (16, 64, 256)
 PREFILL_ROWS = 8  # prompts prefilled together in one forward

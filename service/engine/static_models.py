@@ -1,4 +1,4 @@
-"""The target and the DFlash drafter as fixed-shape forwards over KV pools (service.engine.static).
+"""The target and the DFlash drafter as fixed-shape forwards over KV pools (ddserve.engine.static).
 
 Each call takes its integer inputs packed in one host tensor (one host->device copy), runs
 under a CUDA graph keyed by its shape when graphs are on, and returns output tensors that the
@@ -15,9 +15,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from service.config import MAX_BUDGET
-from service.engine.llama import Llama, apply_rope, linear
-from service.engine.static import (
+from ddserve.config.engine import MAX_BUDGET
+from ddserve.engine.llama import Llama, apply_rope, linear
+from ddserve.engine.static import (
     GraphCache,
     KVPool,
     attention_mask,

@@ -22,8 +22,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from service.engine.llama import Llama, LlamaConfig
-from service.errors import ConfigError
+from ddserve.engine.llama import Llama, LlamaConfig
+from ddserve.errors import ConfigError
 
 log = logging.getLogger(__name__)
 

@@ -13,9 +13,9 @@ from collections.abc import AsyncIterator
 
 from ray.serve import metrics
 
-from service.engine.sampling import SamplingParams
-from service.errors import DDServeError
-from service.server.generation import Delta
+from ddserve.api.generation import Delta
+from ddserve.engine.sampling import SamplingParams
+from ddserve.errors import DDServeError
 
 LATENCY_BUCKETS = [0.005, 0.01, 0.02, 0.04, 0.08, 0.15, 0.3, 0.6, 1.2, 2.5, 5, 10, 20, 40, 80]
 # Ray's exporter rebuilds a histogram's _sum from bucket midpoints, so acceptance-length

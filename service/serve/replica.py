@@ -25,18 +25,17 @@ import time
 import ray
 from ray import serve
 
-from service.deploy_config import Autoscaling, ServeConfig
-from service.engine.sampling import SamplingParams
-from service.engine_process import EngineProcess
-from service.errors import DDServeError, EngineError, EngineUnavailable
-from service.serve.engine_client import RemoteBackend
-from service.serve.metrics import MeteredBackend, ReplicaMetrics
-from service.server.app import create_app
-from service.server.text import encode
+from ddserve.api.app import create_app
+from ddserve.api.text import encode
+from ddserve.backends.process import EngineProcess
+from ddserve.backends.remote import RemoteBackend
+from ddserve.config.deploy import Autoscaling, ServeConfig
+from ddserve.engine.sampling import SamplingParams
+from ddserve.errors import DDServeError, EngineError, EngineUnavailable
+from ddserve.serve.metrics import MeteredBackend, ReplicaMetrics
+from ddserve.serve.registry import drop_status, publish_status
 
 log = logging.getLogger(__name__)
-
-REGISTRY_NS = "ddserve"
 
 
 def _replica_id() -> str:
@@ -45,14 +44,6 @@ def _replica_id() -> str:
         return ctx.replica_id.unique_id
     except Exception:  # outside a replica (unit tests)
         return f"local-{os.getpid()}"
-
-
-def publish_status(app_name: str, replica_id: str, status: dict) -> None:
-    """Record this replica's state in Ray's KV store for `ddserve status`."""
-    from ray.experimental import internal_kv
-
-    key = f"{app_name}/{replica_id}"
-    internal_kv._internal_kv_put(key, json.dumps(status), overwrite=True, namespace=REGISTRY_NS)
 
 
 @serve.ingress()
@@ -73,7 +64,7 @@ class EngineReplica:
         self.engine.start()
         try:
             await asyncio.to_thread(self.engine.wait_ready, self.cfg.health.engine_start_timeout_s)
-            from service.engine.weights import load_tokenizer
+            from ddserve.engine.weights import load_tokenizer
 
             spec = (
                 (ecfg.sglang.tokenizer_path or ecfg.model) if ecfg.kind == "sglang" else ecfg.model
@@ -214,11 +205,7 @@ class EngineReplica:
         if b is not None:
             await b.inner.aclose()
         if hasattr(self, "cfg") and not getattr(self, "_keep_record", False):
-            from ray.experimental import internal_kv
-
-            internal_kv._internal_kv_del(
-                f"{self.cfg.name}/{self.replica_id}", namespace=REGISTRY_NS
-            )
+            drop_status(self.cfg.name, self.replica_id)
 
 
 def deployment_options(cfg: ServeConfig) -> dict:

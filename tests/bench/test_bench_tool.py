@@ -11,7 +11,7 @@ import tempfile
 import httpx
 import pytest
 
-from service.engine_process import EngineProcess, free_port
+from ddserve.backends.process import EngineProcess, free_port
 
 TOKEN = "bench-s3cret"
 
@@ -25,7 +25,7 @@ def engine():
         None,
         port=port,
         log_path=log,
-        command=[sys.executable, "-m", "service.cli", "engine", "--port", str(port), *args],
+        command=[sys.executable, "-m", "ddserve", "engine", "--port", str(port), *args],
     )
     eng.start()
     try:
@@ -37,7 +37,7 @@ def engine():
 
 def bench(*args, env=None, timeout=600):
     return subprocess.run(
-        [sys.executable, "-m", "service.cli", "bench", "--no-progress", *args],
+        [sys.executable, "-m", "ddserve", "bench", "--no-progress", *args],
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -141,7 +141,7 @@ def test_unreachable_endpoint_is_one_line():
 
 
 def test_sweep_grid_and_levels_parse():
-    from bench.cli import parse_levels, parse_sweep
+    from ddserve.cli.bench import parse_levels, parse_sweep
 
     assert parse_levels("1,4,16") == [1, 4, 16]
     assert parse_sweep(["budget=4,8", "topk=2,4"]) == [

@@ -7,12 +7,12 @@ import numpy as np
 import pytest
 import torch
 
-from service.config import LiveParams
-from service.engine.ddtree import DDTreeEngine
-from service.engine.dflash import DFlashDrafter
-from service.engine.drafters import ModelDrafter, NGramDrafter, NoDrafter
-from service.engine.sampling import SamplingParams
-from service.engine.weights import random_llama, tiny_config
+from ddserve.config.engine import LiveParams
+from ddserve.engine.ddtree import DDTreeEngine
+from ddserve.engine.dflash import DFlashDrafter
+from ddserve.engine.drafters import ModelDrafter, NGramDrafter, NoDrafter
+from ddserve.engine.sampling import SamplingParams
+from ddserve.engine.weights import random_llama, tiny_config
 from tests.engine.test_lossless import V, chi2_pvalue, exact_pairs, random_dflash
 
 PROMPTS = [

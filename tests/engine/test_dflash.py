@@ -7,14 +7,14 @@ import random
 import pytest
 import torch
 
-from service.config import LiveParams
-from service.engine.ddtree import DDTreeEngine
-from service.engine.dflash import DFlashConfig, DFlashDrafter, DFlashModel, load_dflash, save_dflash
-from service.engine.drafters import DraftContext
-from service.engine.sampling import SamplingParams
-from service.engine.weights import random_llama, tiny_config, to_hf
-from service.errors import ConfigError
-from training.dflash import block_forward, make_batch, target_taps
+from ddserve.config.engine import LiveParams
+from ddserve.engine.ddtree import DDTreeEngine
+from ddserve.engine.dflash import DFlashConfig, DFlashDrafter, DFlashModel, load_dflash, save_dflash
+from ddserve.engine.drafters import DraftContext
+from ddserve.engine.sampling import SamplingParams
+from ddserve.engine.weights import random_llama, tiny_config, to_hf
+from ddserve.errors import ConfigError
+from ddserve.training.dflash import block_forward, make_batch, target_taps
 
 
 @pytest.fixture(scope="module")

@@ -5,9 +5,9 @@ import torch
 from transformers import LlamaConfig as HFConfig
 from transformers import LlamaForCausalLM
 
-from service.engine.llama import Llama
-from service.engine.tree import build_tree, tree_mask
-from service.engine.weights import config_from_hf, from_hf_state_dict, load_model, to_hf
+from ddserve.engine.llama import Llama
+from ddserve.engine.tree import build_tree, tree_mask
+from ddserve.engine.weights import config_from_hf, from_hf_state_dict, load_model, to_hf
 
 
 def hf_tiny(seed=0, vocab=97):

@@ -7,10 +7,10 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from bench.prompts import chat_ids
-from service.config import LiveParams
-from service.engine.ddtree import DDTreeEngine
-from service.engine.dflash import (
+from ddserve.bench.prompts import chat_ids
+from ddserve.config.engine import LiveParams
+from ddserve.engine.ddtree import DDTreeEngine
+from ddserve.engine.dflash import (
     BUILTIN,
     DFlashConfig,
     DFlashDrafter,
@@ -18,9 +18,9 @@ from service.engine.dflash import (
     load_dflash,
     load_draft_vocab,
 )
-from service.engine.drafters import ModelDrafter, NGramDrafter, NoDrafter
-from service.engine.sampling import SamplingParams
-from service.engine.weights import load_model, random_llama, tiny_config
+from ddserve.engine.drafters import ModelDrafter, NGramDrafter, NoDrafter
+from ddserve.engine.sampling import SamplingParams
+from ddserve.engine.weights import load_model, random_llama, tiny_config
 
 PROMPTS = [[1, 5, 6, 7, 8, 5, 6, 7], [1, 300, 301, 302, 303, 304, 300, 301, 302], [1, 42]]
 

@@ -9,15 +9,15 @@ import time
 import pytest
 import torch
 
-from service.config import EngineConfig, LiveParams
-from service.engine.ddtree import DDTreeEngine
-from service.engine.dflash import DFlashDrafter
-from service.engine.drafters import NGramDrafter, NoDrafter
-from service.engine.runner import EngineRunner
-from service.engine.sampling import SamplingParams
-from service.engine.static_engine import StaticEngine
-from service.engine.weights import random_llama, tiny_config
-from service.errors import EngineError
+from ddserve.config.engine import EngineConfig, LiveParams
+from ddserve.engine.ddtree import DDTreeEngine
+from ddserve.engine.dflash import DFlashDrafter
+from ddserve.engine.drafters import NGramDrafter, NoDrafter
+from ddserve.engine.runner import EngineRunner
+from ddserve.engine.sampling import SamplingParams
+from ddserve.engine.static_engine import StaticEngine
+from ddserve.engine.weights import random_llama, tiny_config
+from ddserve.errors import EngineError
 from tests.engine.test_batching import PROMPTS, check_batched_sampling, run_lockstep
 from tests.engine.test_lossless import random_dflash
 

@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from service.engine.tree import build_tree, tree_mask
+from ddserve.engine.tree import build_tree, tree_mask
 
 
 def lp(*rows):

@@ -14,11 +14,16 @@ import time
 import httpx
 import pytest
 
-from reconfig.controller import Controller
-from reconfig.engine_target import EngineTarget, ProcessSupervisor, env_file_text, read_env_file
-from reconfig.history import History
-from service.config import EngineConfig
-from service.engine_process import EngineProcess, free_port
+from ddserve.backends.process import EngineProcess, free_port
+from ddserve.config.engine import EngineConfig
+from ddserve.reconfig.controller import Controller
+from ddserve.reconfig.engine_target import (
+    EngineTarget,
+    ProcessSupervisor,
+    env_file_text,
+    read_env_file,
+)
+from ddserve.reconfig.history import History
 
 pytestmark = pytest.mark.slow
 BASE = EngineConfig.model_validate(
@@ -77,7 +82,7 @@ class RacingSupervisor:
             None,
             port=port,
             env=read_env_file(self.env_file),
-            command=["python3", "-m", "service.cli", "engine", "--port", str(port)],
+            command=["python3", "-m", "ddserve", "engine", "--port", str(port)],
         )
         new.start()
 
@@ -150,7 +155,7 @@ def test_old_process_still_answering_is_not_taken_for_ready(tmp_path):
         None,
         port=old_port,
         env=read_env_file(env_file),
-        command=["python3", "-m", "service.cli", "engine", "--port", str(old_port)],
+        command=["python3", "-m", "ddserve", "engine", "--port", str(old_port)],
     )
     old.start()
     old.wait_ready(120)

@@ -1,8 +1,8 @@
 import pytest
 
-from reconfig.plan import desired_config, parse_assignments, plan
-from service.config import EngineConfig
-from service.errors import ConfigError
+from ddserve.config.engine import EngineConfig
+from ddserve.errors import ConfigError
+from ddserve.reconfig.plan import desired_config, parse_assignments, plan
 
 
 def test_builtin_engine_swaps_all_live_parameters_in_place():

@@ -14,7 +14,7 @@ import time  # noqa: E402
 
 import pytest  # noqa: E402
 
-from tests.server.conftest import free_port  # noqa: E402
+from tests.api.conftest import free_port  # noqa: E402
 
 MODEL = "tiny-random:7"
 
@@ -54,8 +54,8 @@ def serve_app(ray_cluster, serve_port):
     """Deployed once for the session; returns (base url, ServeConfig)."""
     from ray import serve
 
-    from service.deploy_config import ServeConfig
-    from service.serve.replica import build_app
+    from ddserve.config.deploy import ServeConfig
+    from ddserve.serve.replica import build_app
 
     port = serve_port
     cfg = ServeConfig.model_validate(

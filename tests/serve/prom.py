@@ -7,7 +7,7 @@ from pathlib import Path
 
 import httpx
 
-from tests.server.conftest import free_port
+from tests.api.conftest import free_port
 
 SD_FILE = Path("/tmp/ray/session_latest/prom_metrics_service_discovery.json")
 

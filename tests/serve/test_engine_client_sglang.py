@@ -16,11 +16,11 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from service.config import EngineConfig
-from service.engine.sampling import SamplingParams
-from service.errors import ConfigError, InvalidRequest
-from service.serve.engine_client import RemoteBackend
-from tests.server.conftest import free_port
+from ddserve.backends.remote import RemoteBackend
+from ddserve.config.engine import EngineConfig
+from ddserve.engine.sampling import SamplingParams
+from ddserve.errors import ConfigError, InvalidRequest
+from tests.api.conftest import free_port
 
 SEEN: list[dict] = []
 

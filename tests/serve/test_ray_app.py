@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from service.cli_serve import replica_states
+from ddserve.serve.registry import replica_states
 from tests.serve.conftest import MODEL
 from tests.serve.prom import prometheus, query
 

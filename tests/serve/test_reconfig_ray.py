@@ -13,11 +13,11 @@ import httpx
 import pytest
 import yaml
 
-from reconfig.controller import Controller
-from reconfig.history import History
-from reconfig.ray_target import RayTarget
-from service.cli_serve import replica_states
-from service.errors import ConfigError
+from ddserve.errors import ConfigError
+from ddserve.reconfig.controller import Controller
+from ddserve.reconfig.history import History
+from ddserve.reconfig.ray_target import RayTarget
+from ddserve.serve.registry import replica_states
 from tests.serve.conftest import MODEL
 from tests.serve.prom import prometheus, query
 
@@ -28,8 +28,8 @@ pytestmark = pytest.mark.slow
 def app(ray_cluster, serve_port, tmp_path_factory):
     from ray import serve
 
-    from service.deploy_config import ServeConfig
-    from service.serve.replica import build_app
+    from ddserve.config.deploy import ServeConfig
+    from ddserve.serve.replica import build_app
 
     for name in list(serve.status().applications):
         serve.delete(name)  # the module before may have left its app on "/"
@@ -219,7 +219,7 @@ def test_cli_history_and_rollback(app, tmp_path):
     env = {**os.environ, "DDSERVE_STATE_DIR": str(state)}
 
     def run(*args):
-        cmd = [sys.executable, "-m", "service.cli", "reconfig", *args, "--config", str(conf)]
+        cmd = [sys.executable, "-m", "ddserve", "reconfig", *args, "--config", str(conf)]
         return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
 
     h = run("history")
@@ -241,13 +241,13 @@ def test_cli_history_and_rollback(app, tmp_path):
 def test_every_dashboard_panel_query_is_valid_and_returns_data(app, tmp_path):
     """Grafana itself is not installable here: its dashboard's queries run against a real
     Prometheus scraping the running application instead."""
-    from dashboards.ddserve_dashboard import panel_queries, to_json
-    from dashboards.render_png import grafana_to_promql, render
+    from ddserve.dashboards.ddserve_dashboard import panel_queries, to_json
+    from ddserve.dashboards.render_png import grafana_to_promql, render
 
     url, cfg, _, _ = app
     committed = (Path(__file__).parents[2] / "dashboards" / "ddserve.json").read_text()
     assert committed == to_json(), (
-        "dashboards/ddserve.json is stale: run python -m dashboards.ddserve_dashboard"
+        "dashboards/ddserve.json is stale: run python -m ddserve.dashboards.ddserve_dashboard"
     )
     queries = [(title, grafana_to_promql(expr)) for title, expr in panel_queries()]
     rules = tmp_path / "rules.yml"

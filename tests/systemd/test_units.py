@@ -10,10 +10,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from service.deploy_config import load_config
-from service.errors import ConfigError
-from systemd.units import UnitOptions, render, write_tree
-from tests.server.conftest import free_port
+from ddserve.config.deploy import load_config
+from ddserve.errors import ConfigError
+from ddserve.systemd.units import UnitOptions, render, write_tree
+from tests.api.conftest import free_port
 from tests.systemd import nspawn
 
 ROOT = Path(__file__).parents[2]
@@ -100,7 +100,7 @@ def test_cli_render_rejects_a_config_missing_fields(tmp_path):
         [
             sys.executable,
             "-m",
-            "service.cli",
+            "ddserve",
             "systemd",
             "render",
             "--config",
@@ -146,7 +146,7 @@ def test_engine_unit_under_a_real_systemd(tmp_path):
         c.run(
             "sh",
             "-c",
-            f"cd {src} && {sys.executable} -m service.cli systemd install --config {cfg} --engine-name t1 --engine-port {port} --start",
+            f"cd {src} && {sys.executable} -m ddserve systemd install --config {cfg} --engine-name t1 --engine-port {port} --start",
         )
         fp1 = _wait_generation(url, 240)
         assert (
@@ -177,7 +177,7 @@ def test_engine_unit_under_a_real_systemd(tmp_path):
         st = c.run(
             "sh",
             "-c",
-            f"cd {src} && {sys.executable} -m service.cli systemd status --engine-name t1 --engine-port {port} --config {cfg}",
+            f"cd {src} && {sys.executable} -m ddserve systemd status --engine-name t1 --engine-port {port} --config {cfg}",
             check=False,
         )
         assert st.returncode == 0 and "ready (real generation ok" in st.stdout

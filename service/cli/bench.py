@@ -8,7 +8,6 @@ path (a live swap, verified by a real generation) and reports the best for the w
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import itertools
 import json
@@ -16,7 +15,8 @@ import sys
 import time
 from pathlib import Path
 
-from service.errors import ConfigError
+from ddserve.deploy import DEFAULT_CONFIG
+from ddserve.errors import ConfigError
 
 LIVE_SWEEP_FIELDS = ("budget", "topk", "window")
 
@@ -64,7 +64,7 @@ def add_parsers(sub) -> None:
     b.add_argument(
         "--target", default="engine", choices=["engine", "ray"], help="reconfig target for --sweep"
     )
-    b.add_argument("--config", default="deploy/default.yaml", help="deploy YAML (--target ray)")
+    b.add_argument("--config", default=DEFAULT_CONFIG, help="deploy YAML (--target ray)")
     b.add_argument("--address", default=None, help="Ray cluster address (--target ray)")
     b.add_argument(
         "--env-file",
@@ -104,11 +104,11 @@ def parse_sweep(items: list[str]) -> list[dict[str, int]]:
 
 
 def load_prompts(kind: str) -> list[str]:
-    from bench.prompts import CHAT_PROMPTS
+    from ddserve.bench.prompts import CHAT_PROMPTS
 
     if kind == "chat":
         return list(CHAT_PROMPTS)
-    from bench.humaneval import humaneval_chat_prompts
+    from ddserve.bench.humaneval import humaneval_chat_prompts
 
     he = humaneval_chat_prompts()
     return (
@@ -119,7 +119,7 @@ def load_prompts(kind: str) -> list[str]:
 
 
 def measure(a, model: str, prompts: list[str], levels: list[int]) -> list[dict]:
-    from bench.load import run_level
+    from ddserve.bench.load import run_level
 
     rows = []
     for c in levels:
@@ -194,21 +194,20 @@ def plot(rows: list[dict], out: Path, title: str) -> list[str]:
 
 
 def run_sweep(a, model, prompts, out: Path) -> dict:
-    from reconfig.cli import _connect, _target
-    from reconfig.controller import Controller
-    from reconfig.plan import desired_config
+    from ddserve.config.deploy import load_config
+    from ddserve.reconfig.controller import Controller
+    from ddserve.reconfig.plan import desired_config
+    from ddserve.reconfig.targets import connect_target, make_target
 
     grid = parse_sweep(a.sweep)
-    ns = argparse.Namespace(
-        target=a.target,
+    target, history = make_target(
+        a.target,
+        load_config(a.config),
         url=a.url,
         env_file=a.env_file or str(out / "engine.env"),
         unit=a.unit,
-        config=a.config,
-        address=a.address,
     )
-    target, history = _target(ns)
-    _connect(ns)
+    connect_target(a.target, a.address)
     controller = Controller(target, history, progress=lambda line: print(line, file=sys.stderr))
     original = target.current_config()
     level = a.sweep_concurrency or parse_levels(a.concurrency)[0]
@@ -245,7 +244,7 @@ def run_sweep(a, model, prompts, out: Path) -> dict:
 
 
 def dispatch(a) -> int:
-    from bench.load import discover_model
+    from ddserve.bench.load import discover_model
 
     levels = parse_levels(a.concurrency)
     if a.requests < 1 or a.warmup < 0 or a.max_tokens < 1:

@@ -1,30 +1,15 @@
-"""What the OpenAI layer needs from an engine, and the in-process implementation.
-
-Backend contract (`create_app` is written against it):
-    model_id, tokenizer, max_context      what is served
-    params                                the live parameters (sampling defaults among them)
-    fingerprint                           short hash of the effective config
-    stream(prompt_ids, sampling)          async iterator of Delta; the last has finish_reason
-                                          and stats. Errors before the first Delta raise
-                                          (InvalidRequest, EngineError, EngineUnavailable);
-                                          closing the iterator early cancels the request.
-    check_health()                        a real generation; returns its latency in seconds
-    info()                                a JSON-able description (never secrets)
-    update_params(changes)                validate + apply live parameters, or raise
-
-`LocalBackend` runs the builtin engine in this process; the Ray replica talks to an engine
-process over loopback HTTP with `service.serve.engine_client.RemoteBackend`.
-"""
+"""`LocalBackend`: the `Backend` protocol (ddserve.api.backend) over the builtin engine running
+in this process (`ddserve engine`). The Ray replica uses `ddserve.backends.remote.RemoteBackend`."""
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
-from service.config import LiveParams
-from service.engine.runner import EngineRunner
-from service.engine.sampling import SamplingParams
-from service.server.generation import Delta
-from service.server.text import Detokenizer
+from ddserve.api.generation import Delta
+from ddserve.api.text import Detokenizer
+from ddserve.config.engine import LiveParams
+from ddserve.engine.runner import EngineRunner
+from ddserve.engine.sampling import SamplingParams
 
 
 class LocalBackend:

@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 
-from service.errors import ConfigError, Unauthorized
+from ddserve.config.deploy import load_config
+from ddserve.config.engine import EngineConfig
+from ddserve.errors import ConfigError
+from ddserve.reconfig.controller import Controller
+from ddserve.reconfig.plan import desired_config, parse_assignments
+from ddserve.reconfig.targets import TARGETS, check_admin, connect_target, make_target
 
 FIELDS_HELP = "budget, topk, window, temperature, top_p, top_k (live parameters) or any engine field as a dotted path (e.g. drafter.depth)"
 
@@ -25,7 +29,7 @@ def add_parsers(sub, default_config: str) -> None:
     common.add_argument(
         "--target",
         default="ray",
-        choices=["ray", "engine"],
+        choices=TARGETS,
         help="ray: the Serve application of --config; engine: one bare engine (--url, --env-file, --unit)",
     )
     common.add_argument("--address", default=None, help="Ray cluster address")
@@ -69,51 +73,13 @@ def add_parsers(sub, default_config: str) -> None:
 
 
 def _target(a):
-    from reconfig.history import History
-    from reconfig.ray_target import RayTarget
-    from service.deploy_config import load_config
-
-    if a.target == "engine":
-        from reconfig.engine_target import EngineTarget, SystemdSupervisor
-
-        history = History("engine-" + a.unit.replace("@", "_").replace("/", "_"))
-        return EngineTarget(
-            a.url,
-            a.env_file,
-            SystemdSupervisor(a.unit),
-            history,
-            admin_token=os.environ.get("DDSERVE_ADMIN_TOKEN"),
-        ), history
     cfg = load_config(a.config)
-    history = History(f"{a.target}-{cfg.name}")
-    return RayTarget(cfg, history), history
-
-
-def _connect(a) -> None:
-    if a.target != "ray":
-        return
-    from service.cli_serve import _connect
-
-    _connect(a.address, start=False)
-
-
-def _check_admin(target) -> None:
-    from reconfig.ray_target import token_digest
-
-    if (
-        getattr(target, "admin_sha", "")
-        and token_digest(os.environ.get("DDSERVE_ADMIN_TOKEN")) != target.admin_sha
-    ):
-        raise Unauthorized(
-            "changing the config needs the admin token the application was deployed with (env DDSERVE_ADMIN_TOKEN)"
-        )
+    target, history = make_target(a.target, cfg, url=a.url, env_file=a.env_file, unit=a.unit)
+    return cfg, target, history
 
 
 def dispatch(a) -> int:
-    from reconfig.controller import Controller
-    from reconfig.plan import desired_config, parse_assignments
-
-    target, history = _target(a)
+    cfg_file, target, history = _target(a)
     cmd = a.reconfig_command
     if cmd == "show":
         cfg = target.current_config()
@@ -137,7 +103,7 @@ def dispatch(a) -> int:
             )
         return 0
     if cmd == "status":
-        _connect(a)
+        connect_target(a.target, a.address)
         cfg = target.current_config()
         replicas = target.observe()
         last = history.records()[-1] if history.records() else None
@@ -164,11 +130,11 @@ def dispatch(a) -> int:
         current = target.current_config()
         desired = desired_config(current, parse_assignments(a.assignments))  # validate first
         if not a.dry_run:
-            _check_admin(target)
-            _connect(a)
+            check_admin(target, cfg_file.admin_token, cfg_file.admin_token_env)
+            connect_target(a.target, a.address)
         record = controller.apply(current, desired, dry_run=a.dry_run, deadline_s=a.deadline)
     elif cmd == "rollback":
-        _check_admin(target)
+        check_admin(target, cfg_file.admin_token, cfg_file.admin_token_env)
         records = history.records()
         if not records:
             raise ConfigError("no reconfiguration recorded yet")
@@ -179,9 +145,7 @@ def dispatch(a) -> int:
         )
         if src is None:
             raise ConfigError("no successful reconfiguration to roll back")
-        from service.config import EngineConfig
-
-        _connect(a)
+        connect_target(a.target, a.address)
         record = controller.apply(
             target.current_config(),
             EngineConfig.model_validate(src["from"]),

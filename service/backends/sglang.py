@@ -13,8 +13,8 @@ them to each request, so changing them needs no restart. Tree parameters and the
 
 from __future__ import annotations
 
-from service.config import EngineConfig
-from service.errors import ConfigError
+from ddserve.config.engine import EngineConfig
+from ddserve.errors import ConfigError
 
 # Live parameters SGLang needs a restart for; the rest are applied per request.
 RESTART_FIELDS = frozenset({"budget", "topk", "window"})

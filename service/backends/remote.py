@@ -1,4 +1,4 @@
-"""`RemoteBackend`: the Backend contract (service.server.backend) over an engine's HTTP API.
+"""`RemoteBackend`: the Backend protocol (ddserve.api.backend) over an engine's HTTP API.
 
 Speaks the SGLang-compatible subset both engines share: streamed native `/generate` with
 `input_ids` (cumulative `text`, `meta_info` with `completion_tokens`, `spec_verify_ct`,
@@ -15,11 +15,11 @@ from collections.abc import AsyncIterator
 
 import httpx
 
-from service.config import EngineConfig, LiveParams
-from service.engine.sampling import RequestStats, SamplingParams
-from service.errors import ConfigError, EngineError, EngineUnavailable, InvalidRequest
-from service.server.generation import Delta
-from service.sglang_launcher import RESTART_FIELDS
+from ddserve.api.generation import Delta
+from ddserve.backends.sglang import RESTART_FIELDS
+from ddserve.config.engine import EngineConfig, LiveParams
+from ddserve.engine.sampling import RequestStats, SamplingParams
+from ddserve.errors import ConfigError, EngineError, EngineUnavailable, InvalidRequest
 
 _CONN_ERRORS = (
     httpx.ConnectError,

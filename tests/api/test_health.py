@@ -6,11 +6,11 @@ import httpx
 import pytest
 import torch
 
-from service.config import EngineConfig
-from service.engine.runner import EngineRunner
-from service.engine.weights import load_model
-from service.server.app import create_app
-from service.server.backend import LocalBackend
+from ddserve.api.app import create_app
+from ddserve.backends.local import LocalBackend
+from ddserve.config.engine import EngineConfig
+from ddserve.engine.runner import EngineRunner
+from ddserve.engine.weights import load_model
 
 
 @pytest.fixture()

@@ -4,7 +4,7 @@ import tempfile
 
 import pytest
 
-from service.engine_process import EngineProcess, free_port
+from ddserve.backends.process import EngineProcess, free_port
 
 __all__ = ["free_port"]  # the other test packages take loopback ports from here
 
@@ -31,7 +31,7 @@ def engine_server():
         port=port,
         log_path=log,
         env={"DDSERVE_THREADS": "1"},
-        command=[sys.executable, "-m", "service.cli", "engine", "--port", str(port), *args],
+        command=[sys.executable, "-m", "ddserve", "engine", "--port", str(port), *args],
     )
     eng.start()
     try:

@@ -14,7 +14,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from service.errors import ConfigError
+from ddserve.errors import ConfigError
 
 MAX_BUDGET = 256
 MAX_TOPK = 64

@@ -8,7 +8,7 @@
   GET  /server_info           effective config, fingerprint, load, totals
   POST /admin/params          change live parameters; answers once they are in force
 
-Errors: `service.errors.openai_error_body` is the only mapping to HTTP. Before a stream's
+Errors: `ddserve.errors.openai_error_body` is the only mapping to HTTP. Before a stream's
 first chunk an error is an HTTP status; after it, an `error` event in the stream.
 """
 
@@ -23,7 +23,17 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from service.errors import (
+from ddserve.api import openai_format as fmt
+from ddserve.api.backend import Backend
+from ddserve.api.generation import accept_histogram, complete, resolve_sampling
+from ddserve.api.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    GenerateRequest,
+    Sampling,
+)
+from ddserve.api.text import encode, render_chat
+from ddserve.errors import (
     ConfigError,
     Conflict,
     DDServeError,
@@ -33,15 +43,6 @@ from service.errors import (
     Unauthorized,
     openai_error_body,
 )
-from service.server import openai_format as fmt
-from service.server.generation import accept_histogram, complete, resolve_sampling
-from service.server.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    GenerateRequest,
-    Sampling,
-)
-from service.server.text import encode, render_chat
 
 log = logging.getLogger(__name__)
 
@@ -64,13 +65,13 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
 
 
 def create_app(
-    backend,
+    backend: Backend,
     *,
     admin_token: str | None = None,
     title: str = "ddserve engine",
     admin_enabled: bool = True,
 ) -> FastAPI:
-    """The OpenAI API over any backend (service.server.backend: the contract)."""
+    """The OpenAI API over any backend (ddserve.api.backend.Backend: the contract)."""
     app = FastAPI(title=title, docs_url=None, redoc_url=None)
     started_at = time.time()
     model_id = backend.model_id

@@ -5,10 +5,10 @@ import asyncio
 import httpx
 import pytest
 
-from service.config import EngineConfig
-from service.engine.runner import EngineRunner
-from service.server.app import create_app
-from service.server.backend import LocalBackend
+from ddserve.api.app import create_app
+from ddserve.backends.local import LocalBackend
+from ddserve.config.engine import EngineConfig
+from ddserve.engine.runner import EngineRunner
 
 
 @pytest.mark.slow

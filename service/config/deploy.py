@@ -1,7 +1,7 @@
 """The deployment config (`deploy/*.yaml`): one engine config, replicas, HTTP, health.
 
     name: ddserve                 # Serve application name
-    engine: {...}                 # service.config.EngineConfig
+    engine: {...}                 # ddserve.config.engine.EngineConfig
     replicas: 2                   # or {min: 1, max: 4, target_ongoing_requests: 4}
     http: {host: 127.0.0.1, port: 8000}
     admin_token_env: DDSERVE_ADMIN_TOKEN   # the token itself never sits in the file
@@ -19,8 +19,8 @@ from pathlib import Path
 import yaml
 from pydantic import Field, model_validator
 
-from service.config import EngineConfig, _Frozen, validate
-from service.errors import ConfigError
+from ddserve.config.engine import EngineConfig, _Frozen, validate
+from ddserve.errors import ConfigError
 
 
 class Autoscaling(_Frozen):

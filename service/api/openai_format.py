@@ -6,7 +6,7 @@ import json
 import time
 import uuid
 
-from service.engine.sampling import RequestStats
+from ddserve.engine.sampling import RequestStats
 
 
 def new_id(prefix: str) -> str:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from service.errors import InvalidRequest
+from ddserve.errors import InvalidRequest
 
 
 def render_chat(tokenizer, messages: list[dict]) -> list[int]:

@@ -19,9 +19,9 @@ from pathlib import Path
 
 import httpx
 
-from service.config import EngineConfig
-from service.errors import EngineUnavailable
-from service.sglang_launcher import sglang_command
+from ddserve.backends.sglang import sglang_command
+from ddserve.config.engine import EngineConfig
+from ddserve.errors import EngineUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +46,7 @@ def engine_command(cfg: EngineConfig, host: str, port: int) -> list[str]:
     cmd = [
         sys.executable,
         "-m",
-        "service.cli",
+        "ddserve",
         "engine",
         "--config-json",
         cfg.model_dump_json(),

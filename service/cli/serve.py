@@ -4,19 +4,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import socket
 import subprocess
 import sys
-import tempfile
 import time
-from pathlib import Path
 
-from service.errors import ConfigError, EngineUnavailable
-
-DEFAULT_CONFIG = os.path.join(
-    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "deploy", "default.yaml"
-)
+from ddserve.deploy import DEFAULT_CONFIG
+from ddserve.errors import ConfigError, EngineUnavailable
+from ddserve.serve.cluster import connect
+from ddserve.serve.registry import forget_replicas, replica_states
 
 
 def add_parsers(sub) -> None:
@@ -42,65 +37,16 @@ def add_parsers(sub) -> None:
     down.add_argument("--stop-ray", action="store_true")
 
 
-def _local_cluster_running() -> bool:
-    """Whether the cluster Ray last recorded on this machine still answers (a stale record
-    would make ray.init retry for minutes)."""
-    record = Path(tempfile.gettempdir()) / "ray" / "ray_current_cluster"
-    try:
-        host, _, port = record.read_text().strip().rpartition(":")
-        with socket.create_connection((host, int(port)), timeout=1):
-            return True
-    except (OSError, ValueError):
-        return False
-
-
-def _connect(address: str | None, *, start: bool, num_cpus: int | None = None) -> None:
-    """Connect to Ray; with `start`, start a local head when none runs. A local cluster binds
-    to loopback unless DDSERVE_RAY_LOOPBACK=0 (a laptop's Ray is not a network service).
-    Call it before anything imports ray: Ray reads these variables at import."""
-    loopback = address is None and os.environ.get("DDSERVE_RAY_LOOPBACK", "1") == "1"
-    if loopback:
-        # Ray's own switch: this node's IP is 127.0.0.1
-        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    # LLM replicas are compute-bound: Serve's proxies should balance by load, not prefer
-    # replicas on their own node (inherited by the head started below)
-    os.environ.setdefault("RAY_SERVE_PROXY_PREFER_LOCAL_NODE_ROUTING", "0")
-    import ray
-
-    if address or _local_cluster_running():
-        try:
-            ray.init(address=address or "auto", logging_level="ERROR", log_to_driver=False)
-            return
-        except ConnectionError as exc:
-            raise EngineUnavailable(
-                f"no Ray cluster at {address or 'this machine'}: {exc}"
-            ) from exc
-    if not start:
-        raise EngineUnavailable("no Ray cluster runs on this machine; run `ddserve up` first")
-    cmd = ["ray", "start", "--head", "--disable-usage-stats"]
-    if loopback:
-        cmd += ["--node-ip-address", "127.0.0.1"]
-    if num_cpus:
-        cmd += ["--num-cpus", str(num_cpus)]
-    print("starting a local Ray head ...", flush=True)
-    r = subprocess.run(cmd, capture_output=True, text=True)
-    if r.returncode != 0:
-        last = r.stderr.strip().splitlines()[-1] if r.stderr.strip() else r.returncode
-        raise EngineUnavailable(f"`ray start` failed: {last}")
-    ray.init(address="auto", logging_level="ERROR", log_to_driver=False)
-
-
 def run_up(a: argparse.Namespace) -> None:
     import httpx
 
-    from service.deploy_config import load_config
+    from ddserve.config.deploy import load_config
 
     cfg = load_config(a.config)
-    _connect(a.address, start=True, num_cpus=a.num_cpus)  # before anything imports ray
+    connect(a.address, start=True, num_cpus=a.num_cpus)  # before anything imports ray
     from ray import serve
 
-    from service.serve.replica import build_app
+    from ddserve.serve.replica import build_app
 
     serve.start(http_options={"host": cfg.http.host, "port": cfg.http.port})
     t0 = time.time()
@@ -122,8 +68,8 @@ def run_up(a: argparse.Namespace) -> None:
             f"deployed, but a real generation failed: HTTP {r.status_code} {r.text[:200]}"
         )
     data = r.json()
-    from reconfig.history import History
-    from reconfig.ray_target import RayTarget, token_digest
+    from ddserve.reconfig.history import History
+    from ddserve.reconfig.ray_target import RayTarget, token_digest
 
     RayTarget(cfg, History(f"ray-{cfg.name}")).record_deployed(
         cfg, cfg.engine.params.model_dump(), token_digest(cfg.admin_token)
@@ -140,33 +86,11 @@ def run_up(a: argparse.Namespace) -> None:
     )
 
 
-def replica_states(app_name: str) -> list[dict]:
-    from ray.experimental import internal_kv
-
-    from service.serve.replica import REGISTRY_NS
-
-    out = []
-    for key in internal_kv._internal_kv_list(f"{app_name}/", namespace=REGISTRY_NS):
-        raw = internal_kv._internal_kv_get(key, namespace=REGISTRY_NS)
-        if raw:
-            out.append(json.loads(raw))
-    return sorted(out, key=lambda s: s["replica"])
-
-
-def forget_replicas(app_name: str, replica_ids: list[str]) -> None:
-    from ray.experimental import internal_kv
-
-    from service.serve.replica import REGISTRY_NS
-
-    for rid in replica_ids:
-        internal_kv._internal_kv_del(f"{app_name}/{rid}", namespace=REGISTRY_NS)
-
-
 def run_status(a: argparse.Namespace) -> int:
-    from service.deploy_config import load_config
+    from ddserve.config.deploy import load_config
 
     cfg = load_config(a.config)
-    _connect(a.address, start=False)
+    connect(a.address, start=False)
     from ray import serve
 
     apps = serve.status().applications
@@ -206,11 +130,11 @@ def run_status(a: argparse.Namespace) -> int:
 
 
 def run_down(a: argparse.Namespace) -> None:
-    from service.deploy_config import load_config
+    from ddserve.config.deploy import load_config
 
     cfg = load_config(a.config)
     try:
-        _connect(a.address, start=False)
+        connect(a.address, start=False)
         from ray import serve
 
         serve.delete(cfg.name)

@@ -6,8 +6,8 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
-from service.engine.sampling import RequestStats, SamplingParams
-from service.errors import ContextLengthExceeded, InvalidRequest
+from ddserve.engine.sampling import RequestStats, SamplingParams
+from ddserve.errors import ContextLengthExceeded, InvalidRequest
 
 
 @dataclass

@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from service.config import MAX_TEMPERATURE
+from ddserve.config.engine import MAX_TEMPERATURE
 
 
 class _Body(BaseModel):

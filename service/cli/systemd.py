@@ -9,8 +9,8 @@ from pathlib import Path
 
 import httpx
 
-from service.errors import ConfigError
-from systemd.units import UnitOptions, render, write_tree
+from ddserve.errors import ConfigError
+from ddserve.systemd.units import UnitOptions, render, write_tree
 
 UNIT_DIR = "etc/systemd/system"
 
@@ -65,7 +65,7 @@ def _systemctl(*args: str) -> subprocess.CompletedProcess:
 
 
 def dispatch(a) -> int:
-    from service.deploy_config import load_config
+    from ddserve.config.deploy import load_config
 
     cfg = load_config(a.config)
     unit = f"ddserve-engine@{a.engine_name}.service"

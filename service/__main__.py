@@ -1,0 +1,5 @@
+import sys
+
+from ddserve.cli import main
+
+sys.exit(main())

@@ -1,0 +1,69 @@
+"""`ddserve` command line: the top of the import graph (it imports everything; nothing in
+the package imports it). Bad input exits non-zero with one readable line.
+
+ddserve engine ...          one builtin engine server            (cli.engine)
+ddserve chat MESSAGE        ask a running server                 (cli.engine)
+ddserve up|status|down      the Ray Serve application            (cli.serve)
+ddserve reconfig ...        change the serving config safely     (cli.reconfig)
+ddserve systemd ...         units for a single box               (cli.systemd)
+ddserve bench ...           load benchmark against a server      (cli.bench)
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from ddserve.cli import bench, engine, reconfig, serve, systemd
+from ddserve.deploy import DEFAULT_CONFIG
+from ddserve.errors import DDServeError
+
+# subcommand -> the module that parses and runs it
+COMMANDS = {
+    "engine": engine,
+    "chat": engine,
+    "up": serve,
+    "status": serve,
+    "down": serve,
+    "reconfig": reconfig,
+    "systemd": systemd,
+    "bench": bench,
+}
+
+
+def exit_code(exc: DDServeError) -> int:
+    """The one mapping from error types to exit codes."""
+    return 2
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="ddserve", description="DDTree speculative decoding server"
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    engine.add_parsers(sub)
+    serve.add_parsers(sub)
+    reconfig.add_parsers(sub, DEFAULT_CONFIG)
+    systemd.add_parsers(sub, DEFAULT_CONFIG)
+    bench.add_parsers(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=getattr(a, "log_level", "warning").upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        return COMMANDS[a.command].dispatch(a)
+    except DDServeError as exc:
+        print(f"ddserve: error: {exc.message}", file=sys.stderr)
+        return exit_code(exc)
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
