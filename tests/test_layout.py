@@ -136,7 +136,6 @@ def wheel(tmp_path_factory) -> Path:
             "wheel",
             "-q",
             "--no-deps",
-            "--no-build-isolation",
             "-w",
             str(out),
             str(ROOT),
