@@ -30,6 +30,7 @@ from ddserve.engine.drafters import ModelDrafter, NGramDrafter, NoDrafter
 from ddserve.engine.sampling import SamplingParams
 from ddserve.engine.static_engine import StaticEngine
 from ddserve.engine.weights import load_model
+from ddserve.errors import EngineUnavailable
 
 # name -> (drafter kind, budget, topk)
 REGISTRY = {
@@ -206,7 +207,7 @@ def cold_start(model_spec: str) -> dict:
                 break
             except httpx.HTTPError:
                 if proc.poll() is not None or time.perf_counter() - t0 > 300:
-                    raise RuntimeError("engine did not start") from None
+                    raise EngineUnavailable("engine did not start") from None
                 time.sleep(0.05)
         body = {
             "model": model_spec,

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from ddserve.errors import ConfigError
+from ddserve.errors import EngineUnavailable
 
 
 @dataclass
@@ -174,4 +174,4 @@ def discover_model(url: str) -> str:
         r.raise_for_status()
         return r.json()["data"][0]["id"]
     except (httpx.HTTPError, ValueError, KeyError, IndexError) as exc:
-        raise ConfigError(f"no OpenAI-compatible endpoint answers at {url}: {exc}") from exc
+        raise EngineUnavailable(f"no OpenAI-compatible endpoint answers at {url}: {exc}") from exc

@@ -24,6 +24,8 @@ os.environ.setdefault("RAY_SERVE_PROXY_PREFER_LOCAL_NODE_ROUTING", "0")
 
 import httpx  # noqa: E402
 
+from ddserve.errors import EngineError  # noqa: E402
+
 
 def pct(xs: list[float], p: float) -> float:
     xs = sorted(xs)
@@ -51,7 +53,7 @@ async def one(client: httpx.AsyncClient, url: str, model: str, stream: bool, i: 
                 ttft = time.perf_counter() - t0
         if ttft is not None:
             return ttft
-    raise RuntimeError("no token")
+    raise EngineError("no token")
 
 
 async def run_level(url: str, model: str, stream: bool, conc: int, n: int) -> list[float]:

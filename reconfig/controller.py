@@ -4,7 +4,8 @@ The same controller drives every target (a Ray Serve application, a bare engine 
 supervisor such as systemd). A target provides:
     current_config() -> EngineConfig      the config in force
     apply(desired, plan, attempt, deadline_s, progress) -> per-replica results
-                                          (raises RolloutFailed with the reason)
+                                          (raises OperationFailed — RolloutFailed,
+                                          SupervisorError — with the reason)
 A failed apply is rolled back by applying the previous config the same way (verified the
 same way). Every attempt is recorded, whatever its outcome.
 """
@@ -17,17 +18,9 @@ from collections.abc import Callable
 from datetime import UTC, datetime
 
 from ddserve.config.engine import EngineConfig
-from ddserve.errors import DDServeError
+from ddserve.errors import OperationFailed
 from ddserve.reconfig.history import History
 from ddserve.reconfig.plan import Plan, desired_config, plan
-
-
-class RolloutFailed(DDServeError):
-    """A target could not apply or verify a config; `replicas` holds what did verify."""
-
-    def __init__(self, message: str, replicas: list[dict] | None = None):
-        super().__init__(message)
-        self.replicas = replicas or []
 
 
 def describe_plan(p: Plan) -> list[str]:
@@ -91,9 +84,9 @@ class Controller:
         try:
             record["replicas"] = self.target.apply(desired, p, attempt, deadline_s, self.progress)
             record["outcome"] = "succeeded"
-        except RolloutFailed as exc:
+        except OperationFailed as exc:  # a rollout that did not verify, a failed restart
             record["error"] = exc.message
-            record["replicas"] = exc.replicas
+            record["replicas"] = getattr(exc, "replicas", [])
             record["apply_s"] = round(time.monotonic() - t0, 2)
             self.progress(
                 f"{attempt}: FAILED: {exc.message}; rolling back to {current.fingerprint()}"
@@ -108,7 +101,7 @@ class Controller:
                     self.progress,
                 )
                 record["outcome"] = "rolled_back"
-            except RolloutFailed as exc2:
+            except OperationFailed as exc2:
                 record["outcome"] = "rollback_failed"
                 record["rollback_error"] = exc2.message
             record["rollback_s"] = round(time.monotonic() - t1, 2)

@@ -27,7 +27,7 @@ import httpx
 from ddserve.backends.process import EngineProcess
 from ddserve.config.engine import EngineConfig
 from ddserve.config.flags import ENGINE_FLAGS, env_name
-from ddserve.reconfig.controller import RolloutFailed
+from ddserve.errors import RolloutFailed, SupervisorError
 from ddserve.reconfig.history import History
 from ddserve.reconfig.plan import Plan
 
@@ -69,7 +69,9 @@ class SystemdSupervisor:
     def restart(self) -> None:
         r = subprocess.run(["systemctl", "restart", self.unit], capture_output=True, text=True)
         if r.returncode != 0:
-            raise RolloutFailed(f"systemctl restart {self.unit} failed: {r.stderr.strip()[-300:]}")
+            raise SupervisorError(
+                f"systemctl restart {self.unit} failed: {r.stderr.strip()[-300:]}"
+            )
 
 
 class ProcessSupervisor:

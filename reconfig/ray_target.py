@@ -23,7 +23,7 @@ import httpx
 
 from ddserve.config.deploy import ServeConfig
 from ddserve.config.engine import EngineConfig
-from ddserve.reconfig.controller import RolloutFailed
+from ddserve.errors import RolloutFailed
 from ddserve.reconfig.history import History
 from ddserve.reconfig.plan import Plan
 

@@ -1,21 +1,28 @@
 """The one exception tree of ddserve, and its mapping to HTTP.
 
-    DDServeError                      500 internal_error
-    ├── InvalidRequest                400 invalid_request_error (names the bad `param`)
+    DDServeError                      500 internal_error                       CLI exit 1
+    ├── InvalidRequest                400 invalid_request_error (names `param`)    exit 2
     │   └── ContextLengthExceeded     400 context_length_exceeded
-    ├── ModelNotFound                 404 model_not_found
-    ├── Unauthorized                  401 invalid_api_key
-    ├── Conflict                      409 conflict (the operation belongs elsewhere)
-    ├── ConfigError                   bad config file / CLI value (never reaches HTTP)
-    └── EngineError                   500 engine_error  (the engine failed while generating)
-        └── EngineUnavailable         503 engine_unavailable (not started, dead, shutting down)
+    ├── ModelNotFound                 404 model_not_found                          exit 2
+    ├── Unauthorized                  401 invalid_api_key                          exit 3
+    ├── Conflict                      409 conflict (the operation belongs elsewhere) exit 2
+    ├── ConfigError                   a config file, CLI value or model spec is wrong (never
+    │                                 reaches HTTP: a server refuses to start)     exit 2
+    ├── EngineError                   500 engine_error (the engine failed while generating) exit 4
+    │   └── EngineUnavailable         503 engine_unavailable (not started, dead, unreachable)
+    └── OperationFailed               an operation on a deployment failed           exit 5
+        ├── SupervisorError           systemctl / the process supervisor refused or failed
+        └── RolloutFailed             a reconfiguration did not verify (it was rolled back)
 
 Foreign errors (torch, httpx, subprocess) are translated where they cross into ddserve:
 ``raise EngineError(...) from exc``. `openai_error_body` is the one place that turns an
-exception into an OpenAI-style error body.
+exception into an OpenAI-style error body; `exit_code` the one place that turns it into the
+CLI's exit status.
 """
 
 from __future__ import annotations
+
+import json
 
 
 class DDServeError(Exception):
@@ -71,6 +78,69 @@ class EngineError(DDServeError):
 class EngineUnavailable(EngineError):
     status_code = 503
     error_type = "engine_unavailable"
+
+
+class OperationFailed(DDServeError):
+    """An operation on a deployment (install, restart, roll out) failed; the message says which
+    step and what the system said."""
+
+    error_type = "operation_failed"
+
+
+class SupervisorError(OperationFailed):
+    """systemctl, or the supervisor standing in for it, refused or failed."""
+
+
+class RolloutFailed(OperationFailed):
+    """A target could not apply or verify a config; `replicas` holds what did verify."""
+
+    def __init__(self, message: str, replicas: list[dict] | None = None):
+        super().__init__(message)
+        self.replicas = replicas or []
+
+
+EXIT_CODES: tuple[tuple[type[DDServeError], int], ...] = (
+    (Unauthorized, 3),
+    (InvalidRequest, 2),
+    (ModelNotFound, 2),
+    (Conflict, 2),
+    (ConfigError, 2),
+    (EngineError, 4),
+    (OperationFailed, 5),
+)
+
+
+def exit_code(exc: DDServeError) -> int:
+    """The CLI's exit status for an error: the first class in EXIT_CODES it is an instance of."""
+    return next((code for cls, code in EXIT_CODES if isinstance(exc, cls)), 1)
+
+
+def error_from_body(status: int, body: bytes | dict) -> DDServeError:
+    """The inverse of `openai_error_body`: the exception an OpenAI error answer stands for
+    (a client of an engine or of the API re-raises what the server said)."""
+    if isinstance(body, bytes | bytearray):
+        try:
+            body = json.loads(body)
+        except ValueError:
+            body = {"error": {"message": body.decode(errors="replace")[:300]}}
+    err = body.get("error") if isinstance(body, dict) else None
+    if not isinstance(err, dict):
+        err = {"message": str(err if err is not None else body)[:300]}
+    msg = err.get("message") or f"HTTP {status}"
+    param, code = err.get("param"), err.get("code")
+    if status == 401:
+        return Unauthorized(msg)
+    if status == 404:
+        return ModelNotFound(msg, param=param)
+    if status == 409:
+        return Conflict(msg, param=param)
+    if 400 <= status < 500:
+        exc = InvalidRequest(msg, param=param, code=code)
+        exc.status_code = status  # 413, 429 ... pass through as the server said
+        return exc
+    if status == 503:
+        return EngineUnavailable(f"engine answered HTTP {status}: {msg}")
+    return EngineError(f"engine answered HTTP {status}: {msg}")
 
 
 def openai_error_body(exc: BaseException) -> tuple[int, dict]:

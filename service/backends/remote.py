@@ -19,7 +19,7 @@ from ddserve.api.generation import Delta
 from ddserve.backends.sglang import RESTART_FIELDS
 from ddserve.config.engine import EngineConfig, LiveParams
 from ddserve.engine.sampling import RequestStats, SamplingParams
-from ddserve.errors import ConfigError, EngineError, EngineUnavailable, InvalidRequest
+from ddserve.errors import Conflict, EngineError, EngineUnavailable, error_from_body
 
 _CONN_ERRORS = (
     httpx.ConnectError,
@@ -32,10 +32,13 @@ _CONN_ERRORS = (
 
 
 class RemoteBackend:
+    """What both engines' HTTP APIs share; `for_config` picks the engine's own subclass."""
+
+    kind = ""
+
     def __init__(self, url: str, cfg: EngineConfig, tokenizer, *, admin_token: str | None = None):
         self.url = url.rstrip("/")
         self.cfg = cfg
-        self.kind = cfg.kind
         self.tokenizer = tokenizer
         self.model_id = cfg.model_id
         self.admin_token = admin_token
@@ -45,16 +48,16 @@ class RemoteBackend:
         self.last_success = 0.0  # monotonic time of the last request that completed
         self._client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0))
 
+    @staticmethod
+    def for_config(
+        url: str, cfg: EngineConfig, tokenizer, *, admin_token: str | None = None
+    ) -> RemoteBackend:
+        cls = {"builtin": BuiltinRemote, "sglang": SGLangRemote}[cfg.kind]
+        return cls(url, cfg, tokenizer, admin_token=admin_token)
+
     async def refresh(self) -> None:
-        """Read the engine's effective config (builtin) or keep the replica's (SGLang)."""
-        if self.kind == "builtin":
-            info = await self._get_json("/server_info")
-            self.params = LiveParams.model_validate(info["config"]["params"])
-            self.fingerprint = info["system_fingerprint"]
-            self.max_context = info["max_context"]
-        else:
-            info = await self._get_json("/get_server_info")
-            self.max_context = int(info.get("context_length") or self.max_context)
+        """Read what the engine says of itself (its config, its context length)."""
+        raise NotImplementedError
 
     async def _get_json(self, path: str) -> dict:
         try:
@@ -93,7 +96,7 @@ class RemoteBackend:
         try:
             async with self._client.stream("POST", self.url + "/generate", json=body) as r:
                 if r.status_code != 200:
-                    raise _engine_error(r.status_code, await r.aread())
+                    raise error_from_body(r.status_code, await r.aread())
                 async for line in r.aiter_lines():
                     if not line.startswith("data:"):
                         continue
@@ -137,9 +140,11 @@ class RemoteBackend:
             raise EngineUnavailable(
                 f"engine health generation answered HTTP {r.status_code}: {r.text[:200]}"
             )
-        if self.kind == "builtin":
-            self.fingerprint = r.json().get("system_fingerprint", self.fingerprint)
+        self._healthy(r.json())
         return time.monotonic() - t0
+
+    def _healthy(self, body: dict) -> None:
+        """What a health generation's answer tells about the engine (nothing, by default)."""
 
     def info(self) -> dict:
         return {
@@ -152,30 +157,60 @@ class RemoteBackend:
         }
 
     async def update_params(self, changes: dict) -> dict:
-        if self.kind == "builtin":
-            headers = {"Authorization": f"Bearer {self.admin_token}"} if self.admin_token else {}
-            try:
-                r = await self._client.post(
-                    self.url + "/admin/params", json=changes, headers=headers, timeout=30
-                )
-            except _CONN_ERRORS as exc:
-                raise EngineUnavailable(f"engine unreachable: {type(exc).__name__}") from exc
-            if r.status_code != 200:
-                raise ConfigError(r.json().get("error", {}).get("message", r.text))
-            await self.refresh()
-        else:
-            restart = sorted(RESTART_FIELDS & set(changes))
-            if restart:
-                raise ConfigError(
-                    f"SGLang needs a restart to change {', '.join(restart)}; use `ddserve reconfig`"
-                )
-            self.params = self.cfg.with_params(**{**self.params.model_dump(), **changes}).params
-            self.cfg = self.cfg.model_copy(update={"params": self.params})
-            self.fingerprint = self.cfg.fingerprint()
-        return {"params": self.params.model_dump(), "system_fingerprint": self.fingerprint}
+        raise NotImplementedError
 
     async def aclose(self) -> None:
         await self._client.aclose()
+
+
+class BuiltinRemote(RemoteBackend):
+    """ddserve's own engine process: its config, fingerprint and live parameters are its own."""
+
+    kind = "builtin"
+
+    async def refresh(self) -> None:
+        info = await self._get_json("/server_info")
+        self.params = LiveParams.model_validate(info["config"]["params"])
+        self.fingerprint = info["system_fingerprint"]
+        self.max_context = info["max_context"]
+
+    def _healthy(self, body: dict) -> None:
+        self.fingerprint = body.get("system_fingerprint", self.fingerprint)
+
+    async def update_params(self, changes: dict) -> dict:
+        headers = {"Authorization": f"Bearer {self.admin_token}"} if self.admin_token else {}
+        try:
+            r = await self._client.post(
+                self.url + "/admin/params", json=changes, headers=headers, timeout=30
+            )
+        except _CONN_ERRORS as exc:
+            raise EngineUnavailable(f"engine unreachable: {type(exc).__name__}") from exc
+        if r.status_code != 200:
+            raise error_from_body(r.status_code, r.content)
+        await self.refresh()
+        return {"params": self.params.model_dump(), "system_fingerprint": self.fingerprint}
+
+
+class SGLangRemote(RemoteBackend):
+    """An SGLang server: no live parameters, so sampling defaults are applied here, per
+    request; tree parameters need a new engine (the reconfig controller's job)."""
+
+    kind = "sglang"
+
+    async def refresh(self) -> None:
+        info = await self._get_json("/get_server_info")
+        self.max_context = int(info.get("context_length") or self.max_context)
+
+    async def update_params(self, changes: dict) -> dict:
+        restart = sorted(RESTART_FIELDS & set(changes))
+        if restart:
+            raise Conflict(
+                f"SGLang needs a restart to change {', '.join(restart)}; use `ddserve reconfig`"
+            )
+        self.params = self.cfg.with_params(**{**self.params.model_dump(), **changes}).params
+        self.cfg = self.cfg.model_copy(update={"params": self.params})
+        self.fingerprint = self.cfg.fingerprint()
+        return {"params": self.params.model_dump(), "system_fingerprint": self.fingerprint}
 
 
 def _stats(meta: dict, prompt_len: int) -> RequestStats:
@@ -194,21 +229,3 @@ def _stats(meta: dict, prompt_len: int) -> RequestStats:
     if not st.verify_rounds:  # an engine without speculation: one token per forward
         st.verify_rounds = st.completion_tokens
     return st
-
-
-def _engine_error(status: int, body: bytes) -> Exception:
-    try:
-        err = json.loads(body).get("error", {})
-        msg = err.get("message") if isinstance(err, dict) else str(err)
-        param = err.get("param") if isinstance(err, dict) else None
-    except ValueError:
-        msg, param = body.decode(errors="replace")[:300], None
-    if 400 <= status < 500:
-        exc = InvalidRequest(msg or f"engine rejected the request (HTTP {status})", param=param)
-        exc.status_code = status
-        return exc
-    return (
-        EngineUnavailable(f"engine answered HTTP {status}: {msg}")
-        if status == 503
-        else EngineError(f"engine answered HTTP {status}: {msg}")
-    )

@@ -17,7 +17,7 @@ import sys
 
 from ddserve.cli import bench, engine, reconfig, serve, systemd
 from ddserve.deploy import DEFAULT_CONFIG
-from ddserve.errors import DDServeError
+from ddserve.errors import DDServeError, exit_code
 
 # subcommand -> the module that parses and runs it
 COMMANDS = {
@@ -30,11 +30,6 @@ COMMANDS = {
     "systemd": systemd,
     "bench": bench,
 }
-
-
-def exit_code(exc: DDServeError) -> int:
-    """The one mapping from error types to exit codes."""
-    return 2
 
 
 def build_parser() -> argparse.ArgumentParser:

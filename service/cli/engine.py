@@ -7,7 +7,7 @@ import os
 import sys
 
 from ddserve.config.flags import ENGINE_FLAGS, engine_config_from
-from ddserve.errors import ConfigError, DDServeError
+from ddserve.errors import ConfigError, EngineUnavailable, error_from_body
 
 
 def add_parsers(sub) -> None:
@@ -68,16 +68,25 @@ def run_chat(a: argparse.Namespace) -> None:
     import httpx
 
     base = a.url.rstrip("/")
-    model = a.model or httpx.get(f"{base}/v1/models", timeout=10).json()["data"][0]["id"]
-    body = {
-        "model": model,
-        "messages": [{"role": "user", "content": a.message}],
-        "max_tokens": a.max_tokens,
-    }
-    r = httpx.post(f"{base}/v1/chat/completions", json=body, timeout=600)
-    data = r.json()
+    try:
+        if a.model:
+            model = a.model
+        else:
+            r = httpx.get(f"{base}/v1/models", timeout=10)
+            if r.status_code != 200:
+                raise error_from_body(r.status_code, r.content)
+            model = r.json()["data"][0]["id"]
+        body = {
+            "model": model,
+            "messages": [{"role": "user", "content": a.message}],
+            "max_tokens": a.max_tokens,
+        }
+        r = httpx.post(f"{base}/v1/chat/completions", json=body, timeout=600)
+    except httpx.HTTPError as exc:
+        raise EngineUnavailable(f"no server answers at {base}: {type(exc).__name__}") from exc
     if r.status_code != 200:
-        raise DDServeError(data.get("error", {}).get("message", r.text))
+        raise error_from_body(r.status_code, r.content)
+    data = r.json()
     print(data["choices"][0]["message"]["content"])
     dd, u = data.get("ddtree", {}), data["usage"]
     print(

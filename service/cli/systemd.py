@@ -9,7 +9,7 @@ from pathlib import Path
 
 import httpx
 
-from ddserve.errors import ConfigError
+from ddserve.errors import ConfigError, SupervisorError
 from ddserve.systemd.units import UnitOptions, render, write_tree
 
 UNIT_DIR = "etc/systemd/system"
@@ -103,13 +103,15 @@ def dispatch(a) -> int:
             for step in (("daemon-reload",), ("enable", unit)):
                 r = _systemctl(*step)
                 if r.returncode != 0:
-                    raise ConfigError(
+                    raise SupervisorError(
                         f"systemctl {' '.join(step)} failed: {r.stderr.strip()[-300:]}"
                     )
             if a.start:
                 r = _systemctl("start", unit)
                 if r.returncode != 0:
-                    raise ConfigError(f"systemctl start {unit} failed: {r.stderr.strip()[-300:]}")
+                    raise SupervisorError(
+                        f"systemctl start {unit} failed: {r.stderr.strip()[-300:]}"
+                    )
         print(f"installed {unit} and the Ray/app units under {root}")
         return 0
     if cmd == "uninstall":

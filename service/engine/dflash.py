@@ -32,7 +32,7 @@ from torch import nn
 
 from ddserve.engine.drafters import DraftContext
 from ddserve.engine.llama import Block, Llama, LlamaConfig, RMSNorm, Rotary, apply_rope, linear
-from ddserve.errors import ConfigError
+from ddserve.errors import ConfigError, EngineError
 
 BUILTIN_DIR = Path(__file__).parent / "dflash_weights"
 BUILTIN = {"smollm2-135m": BUILTIN_DIR / "smollm2-135m"}
@@ -244,7 +244,7 @@ class DFlashDrafter:
         if ctx.target_hidden is not None and ctx.target_hidden.shape[0]:
             self._extend(state, ctx.target_hidden)
         if state.start + state.length != root_pos:
-            raise RuntimeError(
+            raise EngineError(
                 f"DFlash context covers {state.start + state.length} tokens, expected {root_pos}"
             )
         self._evict(state, max(0, state.length - ctx.window))

@@ -71,7 +71,7 @@ class EngineReplica:
             )
             tokenizer = await asyncio.to_thread(load_tokenizer, spec)
             self.backend = MeteredBackend(
-                RemoteBackend(
+                RemoteBackend.for_config(
                     self.engine.url, ecfg, tokenizer, admin_token=self.engine.admin_token
                 ),
                 ReplicaMetrics(),

@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from ddserve.backends.remote import RemoteBackend
 from ddserve.config.engine import EngineConfig
 from ddserve.engine.sampling import SamplingParams
-from ddserve.errors import ConfigError, InvalidRequest
+from ddserve.errors import Conflict, InvalidRequest
 from tests.api.conftest import free_port
 
 SEEN: list[dict] = []
@@ -93,7 +93,7 @@ CFG = EngineConfig.model_validate(
 
 def test_stream_stats_and_sampling_mapping(server):
     async def go():
-        b = RemoteBackend(server, CFG, tokenizer=None)
+        b = RemoteBackend.for_config(server, CFG, tokenizer=None)
         await b.refresh()
         out = [
             d
@@ -123,12 +123,12 @@ def test_stream_stats_and_sampling_mapping(server):
 
 def test_engine_4xx_becomes_an_openai_error_and_params_follow_sglang_rules(server):
     async def go():
-        b = RemoteBackend(server, CFG, tokenizer=None)
+        b = RemoteBackend.for_config(server, CFG, tokenizer=None)
         with pytest.raises(InvalidRequest) as e:
             async for _ in b.stream([1], SamplingParams(max_tokens=5000)):
                 pass
         assert e.value.status_code == 400 and e.value.param == "max_new_tokens"
-        with pytest.raises(ConfigError, match="restart"):
+        with pytest.raises(Conflict, match="restart"):
             await b.update_params({"budget": 16})
         before = b.fingerprint
         result = await b.update_params(
