@@ -6,6 +6,9 @@
     ├── ModelNotFound                 404 model_not_found
     ├── Unauthorized                  401 invalid_api_key
     ├── Conflict                      409 conflict (the operation belongs elsewhere)
+    ├── PayloadTooLarge               413 request_too_large (body over the server's limit)
+    ├── Overloaded                    429 server_busy (admission limit; Retry-After says when)
+    ├── DeadlineExceeded              504 request_timeout (the server's per-request deadline)
     ├── ConfigError                   bad config file / CLI value (never reaches HTTP)
     └── EngineError                   500 engine_error  (the engine failed while generating)
         └── EngineUnavailable         503 engine_unavailable (not started, dead, shutting down)
@@ -56,6 +59,27 @@ class Conflict(DDServeError):
     status_code = 409
     error_type = "invalid_request_error"
     code = "conflict"
+
+
+class PayloadTooLarge(DDServeError):
+    status_code = 413
+    error_type = "invalid_request_error"
+    code = "request_too_large"
+
+
+class Overloaded(DDServeError):
+    """Too many requests in flight; `retry_after` (seconds) goes out as Retry-After."""
+
+    status_code = 429
+    error_type = "rate_limit_error"
+    code = "server_busy"
+    retry_after = 1
+
+
+class DeadlineExceeded(DDServeError):
+    status_code = 504
+    error_type = "timeout_error"
+    code = "request_timeout"
 
 
 class ConfigError(DDServeError):

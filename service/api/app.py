@@ -14,42 +14,98 @@ first chunk an error is an HTTP status; after it, an `error` event in the stream
 
 from __future__ import annotations
 
-import json
+import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, Field
+from starlette.exceptions import HTTPException
 
 from ddserve.api import openai_format as fmt
 from ddserve.api.backend import Backend
 from ddserve.api.generation import accept_histogram, complete, resolve_sampling
+from ddserve.api.limits import (
+    Admission,
+    BodySizeLimit,
+    ClientDisconnected,
+    ServerLimits,
+    deadline_of,
+    deadline_stream,
+    guarded,
+)
 from ddserve.api.protocol import (
+    AdminParams,
     ChatCompletionRequest,
     CompletionRequest,
     GenerateRequest,
     Sampling,
 )
-from ddserve.api.text import encode, render_chat
+from ddserve.api.text import encode, longest_token_chars, render_chat
 from ddserve.errors import (
     ConfigError,
     Conflict,
+    ContextLengthExceeded,
     DDServeError,
     EngineUnavailable,
     InvalidRequest,
     ModelNotFound,
+    Overloaded,
     Unauthorized,
     openai_error_body,
 )
 
 log = logging.getLogger(__name__)
 
+CLIENT_CLOSED = 499  # nginx's "client closed request": nobody reads it, the log does
 
-def _error_response(exc: BaseException) -> JSONResponse:
+
+class ErrorBody(BaseModel):
+    error: dict = Field(description="{message, type, param, code}, as OpenAI's API")
+
+
+ERRORS: dict = {
+    status: {"model": ErrorBody, "description": what}
+    for status, what in {
+        400: "invalid request (names the bad param)",
+        401: "admin token missing or wrong",
+        404: "unknown model or endpoint",
+        409: "the operation belongs elsewhere",
+        413: "request body over --max-body-bytes",
+        429: "over --max-requests in flight; see Retry-After",
+        500: "the engine failed",
+        503: "the engine is not available",
+        504: "past --request-timeout",
+    }.items()
+}
+
+
+def _error_response(exc: BaseException, headers: dict | None = None) -> JSONResponse:
     status, body = openai_error_body(exc)
-    return JSONResponse(body, status_code=status)
+    if isinstance(exc, Overloaded):
+        headers = {**(headers or {}), "Retry-After": str(exc.retry_after)}
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
+    """Starlette's own errors (unknown route, wrong method, unreadable body) as OpenAI bodies."""
+    where = f"{request.method} {request.url.path}"
+    if exc.status_code == 404:
+        err = InvalidRequest(f"there is no endpoint {where}", code="not_found")
+    elif exc.status_code == 405:
+        allowed = (exc.headers or {}).get("Allow", "")
+        err = InvalidRequest(
+            f"{where}: method not allowed; use {allowed}", code="method_not_allowed"
+        )
+    elif isinstance(exc.__cause__, RecursionError):
+        err = InvalidRequest("the request body's JSON is nested too deeply", code="json_too_deep")
+    else:
+        err = InvalidRequest(f"{where}: {exc.detail}")
+    err.status_code = exc.status_code
+    return _error_response(err, headers=exc.headers)
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
@@ -58,6 +114,8 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     param = ".".join(loc) or None
     if err.get("type") == "json_invalid":
         return "the request body is not valid JSON", None
+    if not param and err.get("type") in ("model_attributes_type", "dict_type", "missing"):
+        return "the request body must be a JSON object (Content-Type: application/json)", None
     msg = err.get("msg", "invalid value").removeprefix("Value error, ")
     if param and "input" in err and not isinstance(err["input"], dict | list):
         return f"{param}={err['input']!r}: {msg}", param
@@ -70,12 +128,25 @@ def create_app(
     admin_token: str | None = None,
     title: str = "ddserve engine",
     admin_enabled: bool = True,
+    limits: ServerLimits | None = None,
 ) -> FastAPI:
-    """The OpenAI API over any backend (ddserve.api.backend.Backend: the contract)."""
+    """The OpenAI API over any backend (ddserve.api.backend.Backend: the contract), under
+    `limits` (ddserve.api.limits: body size, deadline, admission)."""
+    limits = limits or ServerLimits()
     app = FastAPI(title=title, docs_url=None, redoc_url=None)
+    app.add_middleware(BodySizeLimit, max_bytes=limits.max_body_bytes)
     started_at = time.time()
     model_id = backend.model_id
-    totals = {"requests": 0, "errors": 0, "completion_tokens": 0, "verify_rounds": 0}
+    totals = {
+        "requests": 0,
+        "errors": 0,
+        "completion_tokens": 0,
+        "verify_rounds": 0,
+        "refused_busy": 0,
+        "client_disconnects": 0,
+    }
+    admission = Admission(limits.max_requests, limits.retry_after_s)
+    longest_token = longest_token_chars(backend.tokenizer)
 
     @app.exception_handler(DDServeError)
     async def _ddserve_error(_: Request, exc: DDServeError):
@@ -87,6 +158,40 @@ def create_app(
     async def _invalid(_: Request, exc: RequestValidationError):
         msg, param = _validation_message(exc)
         return _error_response(InvalidRequest(msg, param=param))
+
+    @app.exception_handler(HTTPException)
+    async def _http(request: Request, exc: HTTPException):
+        return _http_error(request, exc)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception):
+        log.error("unexpected error on %s %s", request.method, request.url.path, exc_info=exc)
+        totals["errors"] += 1
+        return _error_response(exc)
+
+    async def admit(request: Request):
+        """A dependency of the generation endpoints: one admission for the whole request,
+        its stream included."""
+        try:
+            admission.enter()
+        except Overloaded:
+            totals["refused_busy"] += 1
+            raise
+        try:
+            yield
+        finally:
+            admission.leave()
+
+    def check_text(chars: int, param: str) -> None:
+        """Refuse a text that surely has more tokens than the context before tokenising it:
+        tokenisation work stays bounded by the context, not by the body size."""
+        if longest_token and chars > backend.max_context * longest_token:
+            raise ContextLengthExceeded(
+                f"the prompt has {chars} characters, so at least {chars // longest_token} tokens "
+                f"(a token covers at most {longest_token}); this model's maximum context length "
+                f"is {backend.max_context} tokens",
+                param=param,
+            )
 
     def check_model(name: str) -> None:
         if name != model_id:
@@ -129,6 +234,18 @@ def create_app(
 
         return rest()
 
+    async def complete_for(request: Request, prompt: list[int], sp, deadline):
+        """The whole completion, or None when the client left (its generation cancelled)."""
+        try:
+            return await guarded(request, complete(backend, prompt, sp), deadline)
+        except ClientDisconnected:
+            totals["client_disconnects"] += 1
+            log.info("client of %s left; its generation was cancelled", request.url.path)
+            return None
+
+    def stream_of(prompt: list[int], sp, deadline):
+        return deadline_stream(backend.stream(prompt, sp), deadline)
+
     async def sse_response(stream: AsyncIterator[str]) -> StreamingResponse:
         body = await first_then_rest(stream)
         return StreamingResponse(
@@ -152,23 +269,27 @@ def create_app(
             ],
         }
 
-    @app.post("/v1/chat/completions")
-    async def chat(req: ChatCompletionRequest):
+    @app.post("/v1/chat/completions", dependencies=[Depends(admit)], responses=ERRORS)
+    async def chat(req: ChatCompletionRequest, request: Request):
+        deadline = deadline_of(limits)
         check_model(req.model)
-        prompt = render_chat(
-            backend.tokenizer, [{"role": m.role, "content": m.text} for m in req.messages]
-        )
+        messages = [{"role": m.role, "content": m.text} for m in req.messages]
+        check_text(sum(len(m["content"]) for m in messages), "messages")
+        # off the event loop: a huge prompt must not stall other clients
+        prompt = await asyncio.to_thread(render_chat, backend.tokenizer, messages)
         sp = openai_sampling(req, prompt)
         rid = fmt.new_id("chatcmpl")
         if not req.stream:
-            c = await complete(backend, prompt, sp)
+            c = await complete_for(request, prompt, sp, deadline)
+            if c is None:
+                return Response(status_code=CLIENT_CLOSED)
             record(c.stats)
             return fmt.chat_response(rid, model_id, c.text, c.finish_reason, c.fingerprint, c.stats)
         include_usage = bool((req.stream_options or {}).get("include_usage"))
 
         async def chunks():
             created, sent_role = int(time.time()), False
-            async for d in backend.stream(prompt, sp):
+            async for d in stream_of(prompt, sp, deadline):
                 if not sent_role:
                     yield fmt.sse(
                         fmt.chat_chunk(
@@ -203,19 +324,24 @@ def create_app(
 
         return await sse_response(chunks())
 
-    @app.post("/v1/completions")
-    async def completions(req: CompletionRequest):
+    @app.post("/v1/completions", dependencies=[Depends(admit)], responses=ERRORS)
+    async def completions(req: CompletionRequest, request: Request):
+        deadline = deadline_of(limits)
         check_model(req.model)
+        if isinstance(req.prompt, str):
+            check_text(len(req.prompt), "prompt")
         prompt = (
             list(req.prompt)
             if isinstance(req.prompt, list)
-            else encode(backend.tokenizer, req.prompt)
+            else await asyncio.to_thread(encode, backend.tokenizer, req.prompt)
         )
         sp = openai_sampling(req, prompt)
         rid = fmt.new_id("cmpl")
         prefix = req.prompt if (req.echo and isinstance(req.prompt, str)) else ""
         if not req.stream:
-            c = await complete(backend, prompt, sp)
+            c = await complete_for(request, prompt, sp, deadline)
+            if c is None:
+                return Response(status_code=CLIENT_CLOSED)
             record(c.stats)
             return fmt.completion_response(
                 rid, model_id, prefix + c.text, c.finish_reason, c.fingerprint, c.stats
@@ -223,7 +349,7 @@ def create_app(
 
         async def chunks():
             created = int(time.time())
-            async for d in backend.stream(prompt, sp):
+            async for d in stream_of(prompt, sp, deadline):
                 if d.text or d.finish_reason is not None:
                     chunk = fmt.completion_chunk(
                         rid, model_id, created, d.fingerprint, d.text, d.finish_reason
@@ -240,10 +366,17 @@ def create_app(
         return await sse_response(chunks())
 
     # -- native generate (SGLang-compatible subset) -------------------------------------
-    @app.post("/generate")
-    async def generate(req: GenerateRequest):
+    @app.post("/generate", dependencies=[Depends(admit)], responses=ERRORS)
+    async def generate(req: GenerateRequest, request: Request):
+        deadline = deadline_of(limits)
         p = req.sampling_params
-        prompt = req.input_ids if req.input_ids is not None else encode(backend.tokenizer, req.text)
+        if req.text is not None:
+            check_text(len(req.text), "text")
+        prompt = (
+            req.input_ids
+            if req.input_ids is not None
+            else await asyncio.to_thread(encode, backend.tokenizer, req.text)
+        )
         stops = (p.stop,) if isinstance(p.stop, str) else tuple(p.stop or ())
         sp = resolve_sampling(
             backend,
@@ -274,7 +407,9 @@ def create_app(
             }
 
         if not req.stream:
-            c = await complete(backend, prompt, sp)
+            c = await complete_for(request, prompt, sp, deadline)
+            if c is None:
+                return Response(status_code=CLIENT_CLOSED)
             record(c.stats)
             return {
                 "text": c.text,
@@ -285,7 +420,7 @@ def create_app(
 
         async def chunks():
             text, ids = "", []
-            async for d in backend.stream(prompt, sp):
+            async for d in stream_of(prompt, sp, deadline):
                 text, ids = text + d.text, ids + d.token_ids
                 if d.finish_reason is not None:
                     record(d.stats)
@@ -324,10 +459,10 @@ def create_app(
             "totals": dict(totals),
             "uptime_s": round(time.time() - started_at, 1),
             "admin_protected": admin_token is not None,
+            "in_flight": admission.active,
         }
 
-    @app.post("/admin/params")
-    async def admin_params(request: Request):
+    def admin_guard(request: Request) -> None:
         if not admin_enabled:
             raise Conflict(
                 "this is one replica of many: change parameters with `ddserve reconfig set`, which rolls them out to every replica and verifies each"
@@ -339,11 +474,11 @@ def create_app(
             raise Unauthorized(
                 "changing live parameters needs the admin token (Authorization: Bearer ...)"
             )
-        try:
-            changes = json.loads(await request.body() or b"{}")
-        except ValueError as exc:
-            raise InvalidRequest("the request body is not valid JSON") from exc
-        if not isinstance(changes, dict) or not changes:
+
+    @app.post("/admin/params", dependencies=[Depends(admin_guard)], responses=ERRORS)
+    async def admin_params(body: AdminParams):
+        changes = body.model_dump(exclude_unset=True)
+        if not changes:
             raise InvalidRequest(
                 'send a JSON object of live parameters to change, e.g. {"budget": 16}'
             )
