@@ -23,7 +23,7 @@ from ddserve.errors import DeadlineExceeded, Overloaded, PayloadTooLarge, openai
 
 T = TypeVar("T")
 
-DISCONNECT_POLL_S = 0.2  # how often a non-streaming request checks that its client is there
+DISCONNECT_POLL_S = 0.1  # how often a non-streaming request checks that its client is there
 DRAIN_S = 2.0  # at most this long spent discarding an oversized body so the client reads 413
 
 
@@ -65,7 +65,8 @@ class BodySizeLimit:
     counted as it arrives and refused the moment it passes the limit (whatever the app
     answered to its truncated body is replaced). The rest of the body is read and dropped
     for at most DRAIN_S so that an HTTP/1.1 client still reads the 413 (closing on unread
-    data resets the connection), then the connection is closed."""
+    data resets the connection), then the connection is closed. A client that sent
+    `Expect: 100-continue` has sent no body yet and is answered at once."""
 
     def __init__(self, app, max_bytes: int):
         self.app = app
@@ -82,9 +83,12 @@ class BodySizeLimit:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        declared = _content_length(scope)
+        declared = _header(scope, b"content-length")
+        declared = int(declared) if declared and declared.isdigit() else None
         if declared is not None and declared > self.max_bytes:
-            await _drain(receive, more=True)
+            # a client that waits for "100 Continue" has sent nothing yet: answer at once
+            if _header(scope, b"expect") != b"100-continue":
+                await _drain(receive, more=True)
             for message in _error_message(self._too_large(declared)):
                 await send(message)
             return
@@ -118,13 +122,10 @@ class BodySizeLimit:
                 await send(message)
 
 
-def _content_length(scope) -> int | None:
-    for name, value in scope.get("headers", ()):
-        if name == b"content-length":
-            try:
-                return int(value)
-            except ValueError:
-                return None
+def _header(scope, name: bytes) -> bytes | None:
+    for key, value in scope.get("headers", ()):
+        if key == name:
+            return value.lower()
     return None
 
 

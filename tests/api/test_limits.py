@@ -1,5 +1,6 @@
 """The server's limits over real HTTP: body size, disconnects, admission, the deadline."""
 
+import socket
 import threading
 import time
 
@@ -89,6 +90,19 @@ def test_huge_body_gets_413_at_once_while_another_client_streams(server):
         for i in range(0, len(big), 1 << 20):
             yield big[i : i + (1 << 20)]
 
+    # a client that waits for "100 Continue" (curl does for large bodies) is answered at once
+    t0 = time.monotonic()
+    with socket.create_connection(("127.0.0.1", server.port), timeout=5) as sock:
+        sock.sendall(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\nExpect: 100-continue\r\n\r\n" % len(big)
+        )
+        head = sock.recv(65536)
+    assert head.startswith(b"HTTP/1.1 413") and b"request_too_large" in head
+    assert time.monotonic() - t0 < 1.0
+    # one that sends it all (httpx) reads the 413 once its upload is through; the server
+    # drops the bytes as they come, so the upload itself is the time (~0.3 s idle, ~2 s when
+    # this 2-core machine is crowded)
     for content in (big, chunked()):  # Content-Length, then chunked transfer encoding
         t0 = time.monotonic()
         r = httpx.post(
@@ -100,7 +114,7 @@ def test_huge_body_gets_413_at_once_while_another_client_streams(server):
         elapsed = time.monotonic() - t0
         assert r.status_code == 413, r.text
         assert r.json()["error"]["code"] == "request_too_large"
-        assert elapsed < 1.0, elapsed
+        assert elapsed < 3.0, elapsed
     t.join(30)
     assert done.is_set() and len(gaps) > 100  # the stream ran to its end meanwhile
     assert max(gaps[1:]) < 1.0  # and was never stalled
