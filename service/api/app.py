@@ -21,13 +21,13 @@ from collections.abc import AsyncIterator
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, Field
+from fastapi.responses import Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from ddserve.api import openai_format as fmt
 from ddserve.api.backend import Backend
 from ddserve.api.generation import accept_histogram, complete, resolve_sampling
+from ddserve.api.http_errors import ERRORS, error_response, http_error, validation_message
 from ddserve.api.limits import (
     Admission,
     BodySizeLimit,
@@ -63,65 +63,6 @@ log = logging.getLogger(__name__)
 CLIENT_CLOSED = 499  # nginx's "client closed request": nobody reads it, the log does
 
 
-class ErrorBody(BaseModel):
-    error: dict = Field(description="{message, type, param, code}, as OpenAI's API")
-
-
-ERRORS: dict = {
-    status: {"model": ErrorBody, "description": what}
-    for status, what in {
-        400: "invalid request (names the bad param)",
-        401: "admin token missing or wrong",
-        404: "unknown model or endpoint",
-        409: "the operation belongs elsewhere",
-        413: "request body over --max-body-bytes",
-        429: "over --max-requests in flight; see Retry-After",
-        500: "the engine failed",
-        503: "the engine is not available",
-        504: "past --request-timeout",
-    }.items()
-}
-
-
-def _error_response(exc: BaseException, headers: dict | None = None) -> JSONResponse:
-    status, body = openai_error_body(exc)
-    if isinstance(exc, Overloaded):
-        headers = {**(headers or {}), "Retry-After": str(exc.retry_after)}
-    return JSONResponse(body, status_code=status, headers=headers)
-
-
-def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
-    """Starlette's own errors (unknown route, wrong method, unreadable body) as OpenAI bodies."""
-    where = f"{request.method} {request.url.path}"
-    if exc.status_code == 404:
-        err = InvalidRequest(f"there is no endpoint {where}", code="not_found")
-    elif exc.status_code == 405:
-        allowed = (exc.headers or {}).get("Allow", "")
-        err = InvalidRequest(
-            f"{where}: method not allowed; use {allowed}", code="method_not_allowed"
-        )
-    elif isinstance(exc.__cause__, RecursionError):
-        err = InvalidRequest("the request body's JSON is nested too deeply", code="json_too_deep")
-    else:
-        err = InvalidRequest(f"{where}: {exc.detail}")
-    err.status_code = exc.status_code
-    return _error_response(err, headers=exc.headers)
-
-
-def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
-    err = exc.errors()[0]
-    loc = [str(p) for p in err.get("loc", ()) if p != "body"]
-    param = ".".join(loc) or None
-    if err.get("type") == "json_invalid":
-        return "the request body is not valid JSON", None
-    if not param and err.get("type") in ("model_attributes_type", "dict_type", "missing"):
-        return "the request body must be a JSON object (Content-Type: application/json)", None
-    msg = err.get("msg", "invalid value").removeprefix("Value error, ")
-    if param and "input" in err and not isinstance(err["input"], dict | list):
-        return f"{param}={err['input']!r}: {msg}", param
-    return (f"{param}: {msg}" if param else msg), param
-
-
 def create_app(
     backend: Backend,
     *,
@@ -152,22 +93,22 @@ def create_app(
     async def _ddserve_error(_: Request, exc: DDServeError):
         if exc.status_code >= 500:
             totals["errors"] += 1
-        return _error_response(exc)
+        return error_response(exc)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError):
-        msg, param = _validation_message(exc)
-        return _error_response(InvalidRequest(msg, param=param))
+        msg, param = validation_message(exc)
+        return error_response(InvalidRequest(msg, param=param))
 
     @app.exception_handler(HTTPException)
     async def _http(request: Request, exc: HTTPException):
-        return _http_error(request, exc)
+        return http_error(request, exc)
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception):
         log.error("unexpected error on %s %s", request.method, request.url.path, exc_info=exc)
         totals["errors"] += 1
-        return _error_response(exc)
+        return error_response(exc)
 
     async def admit(request: Request):
         """A dependency of the generation endpoints: one admission for the whole request,
@@ -443,9 +384,7 @@ def create_app(
         try:
             latency = await backend.check_health()
         except DDServeError as exc:
-            return _error_response(
-                exc if exc.status_code >= 500 else EngineUnavailable(exc.message)
-            )
+            return error_response(exc if exc.status_code >= 500 else EngineUnavailable(exc.message))
         return {
             "status": "ok",
             "system_fingerprint": backend.fingerprint,

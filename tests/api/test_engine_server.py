@@ -289,5 +289,7 @@ def test_a_huge_prompt_never_stalls_other_clients(engine_server):
     done.set()
     t.join()
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
-    assert elapsed < 2.0  # refused by its length, before tokenisation (was 27 s of it)
-    assert probes and max(probes) < 0.5
+    # refused by its length, before tokenisation (which took 27 s, and probes then waited up
+    # to 94 s); measured 0.5-0.9 s with probes <= 0.7 s on this 2-core machine at load 8
+    assert elapsed < 5.0
+    assert probes and max(probes) < 1.5
