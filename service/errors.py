@@ -6,6 +6,10 @@
     ├── ModelNotFound                 404 model_not_found                          exit 2
     ├── Unauthorized                  401 invalid_api_key                          exit 3
     ├── Conflict                      409 conflict (the operation belongs elsewhere) exit 2
+    ├── PayloadTooLarge               413 request_too_large (body over the server's limit) exit 2
+    ├── Overloaded                    429 server_busy (admission limit; Retry-After says when) exit 4
+    ├── DeadlineExceeded              504 request_timeout (the server's per-request deadline) exit 4
+    ├── ClientDisconnected            499 (logged only: the client left; its generation is cancelled)
     ├── ConfigError                   a config file, CLI value or model spec is wrong (never
     │                                 reaches HTTP: a server refuses to start)     exit 2
     ├── EngineError                   500 engine_error (the engine failed while generating) exit 4
@@ -65,6 +69,35 @@ class Conflict(DDServeError):
     code = "conflict"
 
 
+class PayloadTooLarge(DDServeError):
+    status_code = 413
+    error_type = "invalid_request_error"
+    code = "request_too_large"
+
+
+class Overloaded(DDServeError):
+    """Too many requests in flight; `retry_after` (seconds) goes out as Retry-After."""
+
+    status_code = 429
+    error_type = "rate_limit_error"
+    code = "server_busy"
+    retry_after = 1
+
+
+class DeadlineExceeded(DDServeError):
+    status_code = 504
+    error_type = "timeout_error"
+    code = "request_timeout"
+
+
+class ClientDisconnected(DDServeError):
+    """The client of a non-streaming request went away; its generation was cancelled (nobody
+    reads the answer; 499 as nginx logs it)."""
+
+    status_code = 499
+    error_type = "client_closed_request"
+
+
 class ConfigError(DDServeError):
     """A config file or CLI value is wrong; the message names the field, value and fix."""
 
@@ -104,7 +137,10 @@ EXIT_CODES: tuple[tuple[type[DDServeError], int], ...] = (
     (InvalidRequest, 2),
     (ModelNotFound, 2),
     (Conflict, 2),
+    (PayloadTooLarge, 2),
     (ConfigError, 2),
+    (Overloaded, 4),
+    (DeadlineExceeded, 4),
     (EngineError, 4),
     (OperationFailed, 5),
 )
@@ -134,9 +170,15 @@ def error_from_body(status: int, body: bytes | dict) -> DDServeError:
         return ModelNotFound(msg, param=param)
     if status == 409:
         return Conflict(msg, param=param)
+    if status == 413:
+        return PayloadTooLarge(msg)
+    if status == 429:
+        return Overloaded(msg)
+    if status == 504:
+        return DeadlineExceeded(msg)
     if 400 <= status < 500:
         exc = InvalidRequest(msg, param=param, code=code)
-        exc.status_code = status  # 413, 429 ... pass through as the server said
+        exc.status_code = status  # other 4xx pass through as the server said
         return exc
     if status == 503:
         return EngineUnavailable(f"engine answered HTTP {status}: {msg}")

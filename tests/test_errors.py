@@ -13,11 +13,14 @@ from ddserve.errors import (
     Conflict,
     ContextLengthExceeded,
     DDServeError,
+    DeadlineExceeded,
     EngineError,
     EngineUnavailable,
     InvalidRequest,
     ModelNotFound,
     OperationFailed,
+    Overloaded,
+    PayloadTooLarge,
     RolloutFailed,
     SupervisorError,
     Unauthorized,
@@ -56,6 +59,9 @@ def test_every_raised_type_is_in_the_tree():
         (Unauthorized("x"), 401, 3),
         (Conflict("x"), 409, 2),
         (ConfigError("x"), 500, 2),
+        (PayloadTooLarge("x"), 413, 2),
+        (Overloaded("x"), 429, 4),
+        (DeadlineExceeded("x"), 504, 4),
         (EngineError("x"), 500, 4),
         (EngineUnavailable("x"), 503, 4),
         (SupervisorError("x"), 500, 5),
@@ -88,8 +94,8 @@ def test_an_error_body_reads_back_as_its_type(exc):
 
 def test_error_from_body_survives_non_json_and_odd_shapes():
     assert isinstance(error_from_body(502, b"<html>bad gateway</html>"), EngineError)
-    e = error_from_body(413, {"error": "too large"})
-    assert isinstance(e, InvalidRequest) and e.status_code == 413 and "too large" in e.message
+    e = error_from_body(422, {"error": "unprocessable"})
+    assert isinstance(e, InvalidRequest) and e.status_code == 422 and "unprocessable" in e.message
     assert isinstance(error_from_body(500, [1, 2]), EngineError)
 
 

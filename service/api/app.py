@@ -14,54 +14,53 @@ first chunk an error is an HTTP status; after it, an `error` event in the stream
 
 from __future__ import annotations
 
-import json
+import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
+from starlette.exceptions import HTTPException
 
 from ddserve.api import openai_format as fmt
 from ddserve.api.backend import Backend
 from ddserve.api.generation import accept_histogram, complete, resolve_sampling
+from ddserve.api.http_errors import ERRORS, error_response, http_error, validation_message
+from ddserve.api.limits import (
+    Admission,
+    BodySizeLimit,
+    ServerLimits,
+    deadline_of,
+    deadline_stream,
+    guarded,
+)
 from ddserve.api.protocol import (
+    AdminParams,
     ChatCompletionRequest,
     CompletionRequest,
     GenerateRequest,
     Sampling,
 )
-from ddserve.api.text import encode, render_chat
+from ddserve.api.text import encode, longest_token_chars, render_chat
 from ddserve.errors import (
+    ClientDisconnected,
     ConfigError,
     Conflict,
+    ContextLengthExceeded,
     DDServeError,
     EngineUnavailable,
     InvalidRequest,
     ModelNotFound,
+    Overloaded,
     Unauthorized,
     openai_error_body,
 )
 
 log = logging.getLogger(__name__)
 
-
-def _error_response(exc: BaseException) -> JSONResponse:
-    status, body = openai_error_body(exc)
-    return JSONResponse(body, status_code=status)
-
-
-def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
-    err = exc.errors()[0]
-    loc = [str(p) for p in err.get("loc", ()) if p != "body"]
-    param = ".".join(loc) or None
-    if err.get("type") == "json_invalid":
-        return "the request body is not valid JSON", None
-    msg = err.get("msg", "invalid value").removeprefix("Value error, ")
-    if param and "input" in err and not isinstance(err["input"], dict | list):
-        return f"{param}={err['input']!r}: {msg}", param
-    return (f"{param}: {msg}" if param else msg), param
+CLIENT_CLOSED = 499  # nginx's "client closed request": nobody reads it, the log does
 
 
 def create_app(
@@ -70,23 +69,70 @@ def create_app(
     admin_token: str | None = None,
     title: str = "ddserve engine",
     admin_enabled: bool = True,
+    limits: ServerLimits | None = None,
 ) -> FastAPI:
-    """The OpenAI API over any backend (ddserve.api.backend.Backend: the contract)."""
+    """The OpenAI API over any backend (ddserve.api.backend.Backend: the contract), under
+    `limits` (ddserve.api.limits: body size, deadline, admission)."""
+    limits = limits or ServerLimits()
     app = FastAPI(title=title, docs_url=None, redoc_url=None)
+    app.add_middleware(BodySizeLimit, max_bytes=limits.max_body_bytes)
     started_at = time.time()
     model_id = backend.model_id
-    totals = {"requests": 0, "errors": 0, "completion_tokens": 0, "verify_rounds": 0}
+    totals = {
+        "requests": 0,
+        "errors": 0,
+        "completion_tokens": 0,
+        "verify_rounds": 0,
+        "refused_busy": 0,
+        "client_disconnects": 0,
+    }
+    admission = Admission(limits.max_requests, limits.retry_after_s)
+    longest_token = longest_token_chars(backend.tokenizer)
 
     @app.exception_handler(DDServeError)
     async def _ddserve_error(_: Request, exc: DDServeError):
         if exc.status_code >= 500:
             totals["errors"] += 1
-        return _error_response(exc)
+        return error_response(exc)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError):
-        msg, param = _validation_message(exc)
-        return _error_response(InvalidRequest(msg, param=param))
+        msg, param = validation_message(exc)
+        return error_response(InvalidRequest(msg, param=param))
+
+    @app.exception_handler(HTTPException)
+    async def _http(request: Request, exc: HTTPException):
+        return http_error(request, exc)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception):
+        log.error("unexpected error on %s %s", request.method, request.url.path, exc_info=exc)
+        totals["errors"] += 1
+        return error_response(exc)
+
+    async def admit(request: Request):
+        """A dependency of the generation endpoints: one admission for the whole request,
+        its stream included."""
+        try:
+            admission.enter()
+        except Overloaded:
+            totals["refused_busy"] += 1
+            raise
+        try:
+            yield
+        finally:
+            admission.leave()
+
+    def check_text(chars: int, param: str) -> None:
+        """Refuse a text that surely has more tokens than the context before tokenising it:
+        tokenisation work stays bounded by the context, not by the body size."""
+        if longest_token and chars > backend.max_context * longest_token:
+            raise ContextLengthExceeded(
+                f"the prompt has {chars} characters, so at least {chars // longest_token} tokens "
+                f"(a token covers at most {longest_token}); this model's maximum context length "
+                f"is {backend.max_context} tokens",
+                param=param,
+            )
 
     def check_model(name: str) -> None:
         if name != model_id:
@@ -129,6 +175,18 @@ def create_app(
 
         return rest()
 
+    async def complete_for(request: Request, prompt: list[int], sp, deadline):
+        """The whole completion, or None when the client left (its generation cancelled)."""
+        try:
+            return await guarded(request, complete(backend, prompt, sp), deadline)
+        except ClientDisconnected:
+            totals["client_disconnects"] += 1
+            log.info("client of %s left; its generation was cancelled", request.url.path)
+            return None
+
+    def stream_of(prompt: list[int], sp, deadline):
+        return deadline_stream(backend.stream(prompt, sp), deadline)
+
     async def sse_response(stream: AsyncIterator[str]) -> StreamingResponse:
         body = await first_then_rest(stream)
         return StreamingResponse(
@@ -152,23 +210,27 @@ def create_app(
             ],
         }
 
-    @app.post("/v1/chat/completions")
-    async def chat(req: ChatCompletionRequest):
+    @app.post("/v1/chat/completions", dependencies=[Depends(admit)], responses=ERRORS)
+    async def chat(req: ChatCompletionRequest, request: Request):
+        deadline = deadline_of(limits)
         check_model(req.model)
-        prompt = render_chat(
-            backend.tokenizer, [{"role": m.role, "content": m.text} for m in req.messages]
-        )
+        messages = [{"role": m.role, "content": m.text} for m in req.messages]
+        check_text(sum(len(m["content"]) for m in messages), "messages")
+        # off the event loop: a huge prompt must not stall other clients
+        prompt = await asyncio.to_thread(render_chat, backend.tokenizer, messages)
         sp = openai_sampling(req, prompt)
         rid = fmt.new_id("chatcmpl")
         if not req.stream:
-            c = await complete(backend, prompt, sp)
+            c = await complete_for(request, prompt, sp, deadline)
+            if c is None:
+                return Response(status_code=CLIENT_CLOSED)
             record(c.stats)
             return fmt.chat_response(rid, model_id, c.text, c.finish_reason, c.fingerprint, c.stats)
         include_usage = bool((req.stream_options or {}).get("include_usage"))
 
         async def chunks():
             created, sent_role = int(time.time()), False
-            async for d in backend.stream(prompt, sp):
+            async for d in stream_of(prompt, sp, deadline):
                 if not sent_role:
                     yield fmt.sse(
                         fmt.chat_chunk(
@@ -203,19 +265,24 @@ def create_app(
 
         return await sse_response(chunks())
 
-    @app.post("/v1/completions")
-    async def completions(req: CompletionRequest):
+    @app.post("/v1/completions", dependencies=[Depends(admit)], responses=ERRORS)
+    async def completions(req: CompletionRequest, request: Request):
+        deadline = deadline_of(limits)
         check_model(req.model)
+        if isinstance(req.prompt, str):
+            check_text(len(req.prompt), "prompt")
         prompt = (
             list(req.prompt)
             if isinstance(req.prompt, list)
-            else encode(backend.tokenizer, req.prompt)
+            else await asyncio.to_thread(encode, backend.tokenizer, req.prompt)
         )
         sp = openai_sampling(req, prompt)
         rid = fmt.new_id("cmpl")
         prefix = req.prompt if (req.echo and isinstance(req.prompt, str)) else ""
         if not req.stream:
-            c = await complete(backend, prompt, sp)
+            c = await complete_for(request, prompt, sp, deadline)
+            if c is None:
+                return Response(status_code=CLIENT_CLOSED)
             record(c.stats)
             return fmt.completion_response(
                 rid, model_id, prefix + c.text, c.finish_reason, c.fingerprint, c.stats
@@ -223,7 +290,7 @@ def create_app(
 
         async def chunks():
             created = int(time.time())
-            async for d in backend.stream(prompt, sp):
+            async for d in stream_of(prompt, sp, deadline):
                 if d.text or d.finish_reason is not None:
                     chunk = fmt.completion_chunk(
                         rid, model_id, created, d.fingerprint, d.text, d.finish_reason
@@ -240,10 +307,17 @@ def create_app(
         return await sse_response(chunks())
 
     # -- native generate (SGLang-compatible subset) -------------------------------------
-    @app.post("/generate")
-    async def generate(req: GenerateRequest):
+    @app.post("/generate", dependencies=[Depends(admit)], responses=ERRORS)
+    async def generate(req: GenerateRequest, request: Request):
+        deadline = deadline_of(limits)
         p = req.sampling_params
-        prompt = req.input_ids if req.input_ids is not None else encode(backend.tokenizer, req.text)
+        if req.text is not None:
+            check_text(len(req.text), "text")
+        prompt = (
+            req.input_ids
+            if req.input_ids is not None
+            else await asyncio.to_thread(encode, backend.tokenizer, req.text)
+        )
         stops = (p.stop,) if isinstance(p.stop, str) else tuple(p.stop or ())
         sp = resolve_sampling(
             backend,
@@ -274,7 +348,9 @@ def create_app(
             }
 
         if not req.stream:
-            c = await complete(backend, prompt, sp)
+            c = await complete_for(request, prompt, sp, deadline)
+            if c is None:
+                return Response(status_code=CLIENT_CLOSED)
             record(c.stats)
             return {
                 "text": c.text,
@@ -285,7 +361,7 @@ def create_app(
 
         async def chunks():
             text, ids = "", []
-            async for d in backend.stream(prompt, sp):
+            async for d in stream_of(prompt, sp, deadline):
                 text, ids = text + d.text, ids + d.token_ids
                 if d.finish_reason is not None:
                     record(d.stats)
@@ -308,9 +384,7 @@ def create_app(
         try:
             latency = await backend.check_health()
         except DDServeError as exc:
-            return _error_response(
-                exc if exc.status_code >= 500 else EngineUnavailable(exc.message)
-            )
+            return error_response(exc if exc.status_code >= 500 else EngineUnavailable(exc.message))
         return {
             "status": "ok",
             "system_fingerprint": backend.fingerprint,
@@ -324,10 +398,10 @@ def create_app(
             "totals": dict(totals),
             "uptime_s": round(time.time() - started_at, 1),
             "admin_protected": admin_token is not None,
+            "in_flight": admission.active,
         }
 
-    @app.post("/admin/params")
-    async def admin_params(request: Request):
+    def admin_guard(request: Request) -> None:
         if not admin_enabled:
             raise Conflict(
                 "this is one replica of many: change parameters with `ddserve reconfig set`, which rolls them out to every replica and verifies each"
@@ -339,11 +413,11 @@ def create_app(
             raise Unauthorized(
                 "changing live parameters needs the admin token (Authorization: Bearer ...)"
             )
-        try:
-            changes = json.loads(await request.body() or b"{}")
-        except ValueError as exc:
-            raise InvalidRequest("the request body is not valid JSON") from exc
-        if not isinstance(changes, dict) or not changes:
+
+    @app.post("/admin/params", dependencies=[Depends(admin_guard)], responses=ERRORS)
+    async def admin_params(body: AdminParams):
+        changes = body.model_dump(exclude_unset=True)
+        if not changes:
             raise InvalidRequest(
                 'send a JSON object of live parameters to change, e.g. {"budget": 16}'
             )

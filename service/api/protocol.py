@@ -4,14 +4,28 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from ddserve.config.engine import MAX_TEMPERATURE
+from ddserve.config.engine import MAX_TEMPERATURE, MIN_TEMPERATURE
+
+# what torch.Generator.manual_seed takes (a negative seed counts modulo 2**64, as in torch)
+MIN_SEED, MAX_SEED = -(1 << 63), (1 << 64) - 1
+TEMPERATURE = (
+    f"Sampling temperature: 0 = greedy, else in [{MIN_TEMPERATURE:g}, {MAX_TEMPERATURE:g}]; "
+    "below the floor logits / T overflows float32, so such values are refused."
+)
+SEED = f"Seed of the request's sampler, in [{MIN_SEED}, {MAX_SEED}]; none: a fresh one."
 
 
 class _Body(BaseModel):
     # unknown OpenAI fields (presence_penalty, user, ...) are accepted and ignored
     model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+
+
+def _temperature_floor(v: float | None) -> float | None:
+    if v is not None and 0.0 < v < MIN_TEMPERATURE:
+        raise ValueError(f"must be 0 (greedy) or at least {MIN_TEMPERATURE:g}")
+    return v
 
 
 class Sampling(_Body):
@@ -20,15 +34,17 @@ class Sampling(_Body):
     max_tokens: int | None = Field(
         None, gt=0, description="Completion tokens at most; default: the rest of the context."
     )
-    temperature: float | None = Field(None, ge=0.0, le=MAX_TEMPERATURE)
+    temperature: float | None = Field(None, ge=0.0, le=MAX_TEMPERATURE, description=TEMPERATURE)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     top_k: int | None = Field(None, ge=0, description="Extension: top-k filter; 0 = off.")
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=MIN_SEED, le=MAX_SEED, description=SEED)
     n: int = Field(1, ge=1, le=1, description="Only one choice per request is supported.")
     ignore_eos: bool = Field(False, description="Extension: keep generating past EOS.")
     stream: bool = False
     stream_options: dict | None = None
+
+    _temperature = field_validator("temperature")(_temperature_floor)
 
     @property
     def stop_list(self) -> tuple[str, ...]:
@@ -76,13 +92,15 @@ class CompletionRequest(Sampling):
 
 class NativeSampling(_Body):
     max_new_tokens: int | None = Field(None, gt=0)
-    temperature: float | None = Field(None, ge=0.0, le=MAX_TEMPERATURE)
+    temperature: float | None = Field(None, ge=0.0, le=MAX_TEMPERATURE, description=TEMPERATURE)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     top_k: int | None = Field(None, ge=-1)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
-    seed: int | None = None
+    seed: int | None = Field(None, ge=MIN_SEED, le=MAX_SEED, description=SEED)
+
+    _temperature = field_validator("temperature")(_temperature_floor)
 
 
 class GenerateRequest(_Body):
@@ -98,3 +116,16 @@ class GenerateRequest(_Body):
         if (self.text is None) == (self.input_ids is None):
             raise ValueError("give exactly one of `text` or `input_ids`")
         return self
+
+
+class AdminParams(BaseModel):
+    """POST /admin/params: the live parameters to change, any subset; nothing else."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    budget: int | None = Field(None, description="Draft tree nodes verified per round.")
+    topk: int | None = Field(None, description="Candidates per depth.")
+    window: int | None = Field(None, description="Recent tokens the drafter attends to.")
+    temperature: float | None = Field(None, description="Default sampling temperature.")
+    top_p: float | None = Field(None, description="Default nucleus mass.")
+    top_k: int | None = Field(None, description="Default top-k filter; 0 = off.")

@@ -19,6 +19,15 @@ def render_chat(tokenizer, messages: list[dict]) -> list[int]:
     return list(ids)
 
 
+def longest_token_chars(tokenizer) -> int | None:
+    """Characters one token covers at most (its longest vocabulary entry, bytes for byte-level
+    BPE): a text of n characters has at least n / this many tokens. None: unknown."""
+    try:
+        return max(len(t) for t in tokenizer.get_vocab())
+    except Exception:  # no tokenizer, or one without a vocabulary to read
+        return None
+
+
 def encode(tokenizer, text: str) -> list[int]:
     if tokenizer is None:
         raise InvalidRequest("this model has no tokenizer; send token ids")

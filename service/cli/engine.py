@@ -6,6 +6,7 @@ import argparse
 import os
 import sys
 
+from ddserve.api.limits import ServerLimits
 from ddserve.config.flags import ENGINE_FLAGS, engine_config_from
 from ddserve.errors import ConfigError, EngineUnavailable, error_from_body
 
@@ -24,6 +25,25 @@ def add_parsers(sub) -> None:
         "--admin-token",
         default=os.environ.get("DDSERVE_ADMIN_TOKEN"),
         help="required by POST /admin/params (env DDSERVE_ADMIN_TOKEN)",
+    )
+    limits = ServerLimits()
+    p.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=limits.max_body_bytes,
+        help=f"largest request body; larger ones get 413 before they are read (default {limits.max_body_bytes})",
+    )
+    p.add_argument(
+        "--request-timeout",
+        type=float,
+        default=limits.request_timeout_s,
+        help=f"seconds one request may take, queueing included; past it 504 (default {limits.request_timeout_s:g}; 0 = none)",
+    )
+    p.add_argument(
+        "--max-requests",
+        type=int,
+        default=limits.max_requests,
+        help=f"generation requests in flight (running + waiting) at most; more get 429 with Retry-After (default {limits.max_requests}; 0 = no limit)",
     )
     p.add_argument("--log-level", default="info")
     c = sub.add_parser(
@@ -51,9 +71,18 @@ def run_engine(a: argparse.Namespace) -> None:
         raise ConfigError(
             "`ddserve engine` runs the builtin engine; an sglang engine is started by its replica (`ddserve up`) or by SGLang's own launcher"
         )
+    if a.max_body_bytes < 1 or a.request_timeout < 0 or a.max_requests < 0:
+        raise ConfigError(
+            "--max-body-bytes must be >= 1, --request-timeout and --max-requests >= 0 (0 = none)"
+        )
+    limits = ServerLimits(
+        max_body_bytes=a.max_body_bytes,
+        request_timeout_s=a.request_timeout or None,
+        max_requests=a.max_requests or None,
+    )
     runner = EngineRunner(config)
     runner.start()
-    app = create_app(LocalBackend(runner), admin_token=a.admin_token)
+    app = create_app(LocalBackend(runner), admin_token=a.admin_token, limits=limits)
     print(
         f"ddserve engine: {config.model_id} on http://{a.host}:{a.port} (fingerprint {runner.fingerprint})",
         flush=True,

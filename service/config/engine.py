@@ -20,6 +20,7 @@ MAX_BUDGET = 256
 MAX_TOPK = 64
 MAX_DEPTH = 64
 MAX_TEMPERATURE = 100.0
+MIN_TEMPERATURE = 1e-5  # 0 (greedy) or at least this: logits / T must stay finite in float32
 
 
 class _Frozen(BaseModel):
@@ -55,6 +56,13 @@ class LiveParams(_Frozen):
     def _finite(cls, v: float) -> float:
         if not math.isfinite(v):
             raise ValueError("must be a finite number")
+        return v
+
+    @field_validator("temperature")
+    @classmethod
+    def _not_tiny(cls, v: float) -> float:
+        if 0.0 < v < MIN_TEMPERATURE:
+            raise ValueError(f"must be 0 (greedy) or at least {MIN_TEMPERATURE:g}")
         return v
 
 

@@ -266,13 +266,18 @@ class EngineRunner:
             req.cancelled = True
 
     async def check_health(self, timeout: float = 60.0) -> float:
-        """A real generation of one token; returns its latency in seconds."""
+        """A real generation of one token with the live sampling defaults (so a default that
+        breaks sampling fails here); returns its latency in seconds."""
         t0 = time.perf_counter()
         prompt = [self.engine.model.cfg.bos_token_id or 0] if self.engine else [0]
+        p = self.config.params
+        sampling = SamplingParams(
+            temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, max_tokens=1, ignore_eos=True
+        )
 
         async def one() -> int:
             n = 0
-            async for out in self.generate(prompt, SamplingParams(max_tokens=1, ignore_eos=True)):
+            async for out in self.generate(prompt, sampling):
                 n += len(out.token_ids)
             return n
 

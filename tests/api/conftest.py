@@ -1,3 +1,4 @@
+import contextlib
 import os
 import sys
 import tempfile
@@ -9,22 +10,10 @@ from ddserve.backends.process import EngineProcess, free_port
 __all__ = ["free_port"]  # the other test packages take loopback ports from here
 
 
-@pytest.fixture(scope="session")
-def engine_server():
+@contextlib.contextmanager
+def running_engine(*args: str):
     """A real engine server process on loopback: a tiny random model with SmolLM2's tokenizer."""
     port = free_port()
-    args = [
-        "--model",
-        "tiny-random:7",
-        "--max-context",
-        "256",
-        "--budget",
-        "6",
-        "--topk",
-        "2",
-        "--admin-token",
-        "s3cret",
-    ]
     log = os.path.join(tempfile.mkdtemp(prefix="ddserve-test-"), "engine.log")
     eng = EngineProcess(
         None,
@@ -39,3 +28,20 @@ def engine_server():
         yield eng
     finally:
         eng.stop()
+
+
+@pytest.fixture(scope="session")
+def engine_server():
+    with running_engine(
+        "--model",
+        "tiny-random:7",
+        "--max-context",
+        "256",
+        "--budget",
+        "6",
+        "--topk",
+        "2",
+        "--admin-token",
+        "s3cret",
+    ) as eng:
+        yield eng

@@ -2,12 +2,15 @@
 
 import asyncio
 import json
+import threading
+import time
 
 import httpx
 import openai
 import pytest
 
 ADMIN = {"Authorization": "Bearer s3cret"}
+JSON = {"content-type": "application/json"}
 MODEL = "tiny-random:7"
 
 
@@ -126,6 +129,18 @@ def test_seeded_sampling_is_reproducible(client):
             "messages.0.role",
         ),
         ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "n": 3}, 400, "n"),
+        # below the floor logits / T overflows: refused, never a 500 from the sampler
+        (
+            {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "temperature": 1e-40},
+            400,
+            "temperature",
+        ),
+        # the generator takes seeds in [-2**63, 2**64 - 1]
+        (
+            {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "seed": 2**64},
+            400,
+            "seed",
+        ),
     ],
 )
 def test_bad_requests_get_openai_errors(engine_server, body, status, param):
@@ -220,3 +235,61 @@ def test_concurrent_requests_all_complete_correctly(engine_server):
         return await asyncio.gather(*(one(p, i % 2 == 0) for i, p in enumerate(prompts)))
 
     assert asyncio.run(run()) == expected
+
+
+def test_every_error_is_an_openai_body(engine_server):
+    url = engine_server.url
+    deep = "[" * 100_000 + "]" * 100_000
+    cases = [
+        (httpx.get(url + "/v1/nope"), 404),
+        (httpx.get(url + "/v1/chat/completions"), 405),
+        (httpx.post(url + "/v1/models"), 405),
+        (httpx.post(url + "/v1/chat/completions", content=deep, headers=JSON), 400),
+        (httpx.post(url + "/v1/chat/completions", content="model=x"), 400),  # a form
+        (httpx.post(url + "/admin/params", content=deep, headers={**ADMIN, **JSON}), 400),
+        (httpx.post(url + "/admin/params", json={"self": 1}, headers=ADMIN), 400),
+        (httpx.post(url + "/admin/params", json={"budget": "many"}, headers=ADMIN), 400),
+        (httpx.post(url + "/admin/params", json=[1], headers=ADMIN), 400),
+        (httpx.post(url + "/admin/params", json={"temperature": 1e-40}, headers=ADMIN), 400),
+    ]
+    for r, status in cases:
+        assert r.status_code == status, (r.request.url, r.text)
+        err = r.json()["error"]
+        assert set(err) == {"message", "type", "param", "code"} and err["message"], err
+    assert cases[1][0].headers["allow"] == "POST"
+    assert cases[6][0].json()["error"]["param"] == "self"
+    assert cases[9][0].json()["error"]["param"] == "temperature"
+    seeded = httpx.post(
+        url + "/v1/chat/completions",
+        json={"model": MODEL, "messages": [{"role": "user", "content": "x"}], "seed": 2**64 - 1},
+    )
+    assert seeded.status_code == 200  # the largest seed the generator takes
+
+
+def test_a_huge_prompt_never_stalls_other_clients(engine_server):
+    url, probes, done = engine_server.url, [], threading.Event()
+
+    def probe():
+        while not done.is_set():
+            t0 = time.monotonic()
+            httpx.get(url + "/v1/models").raise_for_status()
+            probes.append(time.monotonic() - t0)
+            time.sleep(0.02)
+
+    t = threading.Thread(target=probe)
+    t.start()
+    words = ("hello world, this is a long prompt. " * 200_000)[:7_000_000]  # under 8 MiB
+    t0 = time.monotonic()
+    r = httpx.post(
+        url + "/v1/chat/completions",
+        json={"model": MODEL, "messages": [{"role": "user", "content": words}]},
+        timeout=60,
+    )
+    elapsed = time.monotonic() - t0
+    done.set()
+    t.join()
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+    # refused by its length, before tokenisation (which took 27 s, and probes then waited up
+    # to 94 s); measured 0.5-0.9 s with probes <= 0.7 s on this 2-core machine at load 8
+    assert elapsed < 5.0
+    assert probes and max(probes) < 1.5
