@@ -3,11 +3,33 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
-from ddserve.config.flags import ENGINE_FLAGS, engine_config_from
+from ddserve.config.admin_token import DEFAULT_ENV, read_admin_token
+from ddserve.config.deploy import load_config
+from ddserve.config.engine import EngineConfig
+from ddserve.config.flags import ENGINE_FIELDS, encode_value, engine_config_from
 from ddserve.errors import ConfigError, EngineUnavailable, error_from_body
+
+METAVAR = {"int": "N", "float": "X", "str": "TEXT", "list": "JSON|A,B", "object": "JSON"}
+
+
+def add_engine_flags(p: argparse.ArgumentParser) -> None:
+    """One flag per EngineConfig field (ddserve.config.flags.ENGINE_FIELDS): name, type, help
+    and default from the model; each falls back to its DDSERVE_* variable."""
+    g = p.add_argument_group(
+        "engine config",
+        "every flag falls back to its variable (--top-p: DDSERVE_TOP_P), then to --config's "
+        "`engine:` section, then to the default",
+    )
+    for s in ENGINE_FIELDS:
+        default = "unset" if s.default is None else encode_value(s, s.default) or "[]"
+        help_ = f"{s.help} [env {s.env}; default {default}]".replace("%", "%%")
+        if s.kind == "bool":
+            g.add_argument(s.flag, action=argparse.BooleanOptionalAction, default=None, help=help_)
+        else:
+            metavar = "{" + ",".join(s.choices) + "}" if s.choices else METAVAR[s.kind]
+            g.add_argument(s.flag, default=None, metavar=metavar, help=help_)
 
 
 def add_parsers(sub) -> None:
@@ -15,16 +37,18 @@ def add_parsers(sub) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=30000)
     p.add_argument(
-        "--config", default=None, help="a deploy YAML; its `engine:` section is the base config"
+        "--config",
+        default=None,
+        help="a deploy YAML: its `engine:` section is the base config, its admin_token_env names the token's variable",
     )
-    p.add_argument("--config-json", default=None, help=argparse.SUPPRESS)  # used by replicas
-    for flag, (_, typ, help_) in ENGINE_FLAGS.items():
-        p.add_argument(flag, type=typ, default=None, help=help_)
+    add_engine_flags(p)
     p.add_argument(
-        "--admin-token",
-        default=os.environ.get("DDSERVE_ADMIN_TOKEN"),
-        help="required by POST /admin/params (env DDSERVE_ADMIN_TOKEN)",
+        "--admin-token-file",
+        default=None,
+        metavar="PATH",
+        help=f"file holding the token POST /admin/params requires (else env {DEFAULT_ENV} or {DEFAULT_ENV}_FILE)",
     )
+    p.add_argument("--admin-token", default=None, help=argparse.SUPPRESS)  # refused: see below
     p.add_argument("--log-level", default="info")
     c = sub.add_parser(
         "chat", help="send one chat message to a running server and print the answer"
@@ -35,25 +59,39 @@ def add_parsers(sub) -> None:
     c.add_argument("--max-tokens", type=int, default=128)
 
 
+def engine_config_of(a: argparse.Namespace) -> EngineConfig:
+    """The config `ddserve engine` serves with: its flags, variables and --config file."""
+    return engine_config_from(
+        {s.flag: getattr(a, s.dest) for s in ENGINE_FIELDS}, config_path=a.config
+    )
+
+
+def admin_token_of(a: argparse.Namespace) -> str | None:
+    if a.admin_token is not None:
+        raise ConfigError(
+            f"--admin-token puts the token on the command line, where every user of the machine can read it; set env {DEFAULT_ENV}, {DEFAULT_ENV}_FILE or --admin-token-file PATH"
+        )
+    var = load_config(a.config).admin_token_env if a.config else DEFAULT_ENV
+    return read_admin_token(var, file=a.admin_token_file)
+
+
 def run_engine(a: argparse.Namespace) -> None:
+    admin_token = admin_token_of(a)  # bad input stops here, before torch is imported
+    config = engine_config_of(a)
+    if config.kind != "builtin":
+        raise ConfigError(
+            "`ddserve engine` runs the builtin engine; an sglang engine is started by its replica (`ddserve up`) or by SGLang's own launcher"
+        )
+
     import uvicorn
 
     from ddserve.api.app import create_app
     from ddserve.backends.local import LocalBackend
     from ddserve.engine.runner import EngineRunner
 
-    config = engine_config_from(
-        {flag: getattr(a, flag.lstrip("-").replace("-", "_")) for flag in ENGINE_FLAGS},
-        config_path=a.config,
-        config_json=a.config_json,
-    )
-    if config.kind != "builtin":
-        raise ConfigError(
-            "`ddserve engine` runs the builtin engine; an sglang engine is started by its replica (`ddserve up`) or by SGLang's own launcher"
-        )
     runner = EngineRunner(config)
     runner.start()
-    app = create_app(LocalBackend(runner), admin_token=a.admin_token)
+    app = create_app(LocalBackend(runner), admin_token=admin_token)
     print(
         f"ddserve engine: {config.model_id} on http://{a.host}:{a.port} (fingerprint {runner.fingerprint})",
         flush=True,

@@ -22,15 +22,13 @@ def engine_server():
         "6",
         "--topk",
         "2",
-        "--admin-token",
-        "s3cret",
     ]
     log = os.path.join(tempfile.mkdtemp(prefix="ddserve-test-"), "engine.log")
     eng = EngineProcess(
         None,
         port=port,
         log_path=log,
-        env={"DDSERVE_THREADS": "1"},
+        env={"DDSERVE_THREADS": "1", "DDSERVE_ADMIN_TOKEN": "s3cret"},  # never on argv
         command=[sys.executable, "-m", "ddserve", "engine", "--port", str(port), *args],
     )
     eng.start()
