@@ -23,7 +23,7 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
         "`engine:` section, then to the default",
     )
     for s in ENGINE_FIELDS:
-        default = "unset" if s.default is None else encode_value(s, s.default) or "[]"
+        default = "unset" if s.default is None else encode_value(s, s.default) or '""'
         help_ = f"{s.help} [env {s.env}; default {default}]".replace("%", "%%")
         if s.kind == "bool":
             g.add_argument(s.flag, action=argparse.BooleanOptionalAction, default=None, help=help_)

@@ -92,7 +92,7 @@ def _unwrap(annotation) -> tuple[Any, bool]:
         args = [a for a in typing.get_args(annotation) if a is not type(None)]
         optional = len(args) < len(typing.get_args(annotation))
         if len(args) != 1:
-            raise TypeError(f"{annotation}: only X | None unions can become a flag")
+            raise ConfigError(f"{annotation}: only X | None unions can become a flag")
         annotation = args[0]
     while typing.get_origin(annotation) is typing.Annotated:
         annotation = typing.get_args(annotation)[0]
@@ -110,7 +110,7 @@ def _kind(tp) -> tuple[str, tuple[str, ...]]:
     for t in (bool, int, float, str):  # bool before int: bool is an int
         if tp is t:
             return t.__name__, ()
-    raise TypeError(f"{tp}: no flag encoding for this type")
+    raise ConfigError(f"{tp}: no flag encoding for this type")
 
 
 def _derive(model: type[BaseModel], prefix: str = "") -> list[FieldFlag]:
@@ -148,7 +148,7 @@ def _check_unique(specs: list[FieldFlag]) -> list[FieldFlag]:
     for s in specs:
         for name in (s.flag, s.env):
             if name in seen or name in RESERVED_FLAGS | RESERVED_VARS:
-                raise TypeError(
+                raise ConfigError(
                     f"{s.path} and {seen.get(name, 'ddserve')} both derive {name}; "
                     'name one flag with Field(json_schema_extra={"flag": ...})'
                 )

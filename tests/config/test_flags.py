@@ -179,7 +179,7 @@ def test_a_field_whose_flag_collides_fails_at_definition():
     class Bad(BaseModel):
         port: int = Field(1, description="clashes with `ddserve engine --port`")
 
-    with pytest.raises(TypeError, match="--port"):
+    with pytest.raises(ConfigError, match="--port"):
         _check_unique(_derive(Bad))
 
 
