@@ -1,7 +1,8 @@
 """Reconfiguration target: one bare engine under a supervisor (the single-box deployment).
 
-The engine reads its parameters from an EnvironmentFile (`DDSERVE_BUDGET=8`, ... — the
-variables `ddserve engine` falls back to for each flag); a supervisor restarts it:
+The engine reads its config from an EnvironmentFile (`DDSERVE_BUDGET=8`, ... — one variable
+per EngineConfig field, see ddserve.config.envfile; lines of other variables such as
+DDSERVE_HOST or DDSERVE_ADMIN_TOKEN are kept on every rewrite); a supervisor restarts it:
 `SystemdSupervisor` runs `systemctl restart UNIT`; `ProcessSupervisor` runs the engine as a
 child process (development, and the tests' stand-in for systemd).
 
@@ -15,7 +16,6 @@ keeps it until it exits) answers with the old fingerprint and does not count.
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import time
@@ -26,40 +26,10 @@ import httpx
 
 from ddserve.backends.process import EngineProcess
 from ddserve.config.engine import EngineConfig
-from ddserve.config.flags import ENGINE_FLAGS, env_name
+from ddserve.config.envfile import read_env_file, write_env_file
 from ddserve.errors import RolloutFailed, SupervisorError
 from ddserve.reconfig.history import History
 from ddserve.reconfig.plan import Plan
-
-
-def env_file_text(cfg: EngineConfig, note: str = "") -> str:
-    """The EnvironmentFile for `cfg`: one DDSERVE_* variable per engine flag that is set."""
-    data = cfg.model_dump()
-    lines = [
-        f"# written by ddserve reconfig{(' ' + note) if note else ''}; fingerprint {cfg.fingerprint()}"
-    ]
-    for flag, (path, _, _) in ENGINE_FLAGS.items():
-        value = data
-        for key in path.split("."):
-            value = value.get(key) if isinstance(value, dict) else None
-        if value is not None:
-            lines.append(f"{env_name(flag)}={value}")
-    return "\n".join(lines) + "\n"
-
-
-def read_env_file(path: Path) -> dict[str, str]:
-    out = {}
-    for line in path.read_text().splitlines():
-        if line.strip() and not line.lstrip().startswith("#") and "=" in line:
-            k, _, v = line.partition("=")
-            out[k.strip()] = v.strip()
-    return out
-
-
-def write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 class SystemdSupervisor:
@@ -162,9 +132,9 @@ class EngineTarget:
                 raise RolloutFailed(
                     f"engine refused the live change: HTTP {r.status_code} {r.text[:200]}"
                 )
-            write_atomic(self.env_file, env_file_text(desired, attempt))
+            write_env_file(self.env_file, desired, attempt)
         else:
-            write_atomic(self.env_file, env_file_text(desired, attempt))
+            write_env_file(self.env_file, desired, attempt)
             progress(f"  restarting the engine ({type(self.supervisor).__name__})")
             self.supervisor.restart()
         result = self._verify(desired.fingerprint(), started + deadline_s, progress)

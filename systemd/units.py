@@ -5,7 +5,8 @@
   ddserve-app.service           deploys/updates the Serve application once the head is up;
                                 `systemctl reload` re-applies the config
   ddserve-engine@.service       one standalone builtin engine per instance NAME, configured by
-                                /etc/ddserve/engine-NAME.env (DDSERVE_BUDGET=... and so on):
+                                /etc/ddserve/engine-NAME.env (one DDSERVE_* variable per engine
+                                field, ddserve.config.envfile; the admin token may sit there too):
                                 the single-box deployment `ddserve reconfig --target engine` drives
 
 Hardening (measured with `systemd-analyze security --offline=true`, see README): dynamic
@@ -29,8 +30,8 @@ from pathlib import Path
 
 from ddserve.config.deploy import ServeConfig
 from ddserve.config.engine import EngineConfig
+from ddserve.config.envfile import env_file_text
 from ddserve.errors import ConfigError
-from ddserve.reconfig.engine_target import env_file_text
 
 GPU_DEVICES = [
     "/dev/nvidiactl rw",
@@ -220,8 +221,15 @@ def engine_env(engine: EngineConfig, host: str, port: int) -> str:
         raise ConfigError(
             "ddserve-engine@ runs the builtin engine; SGLang engines run under the Ray application"
         )
-    return (
-        env_file_text(engine, "for ddserve-engine@") + f"DDSERVE_HOST={host}\nDDSERVE_PORT={port}\n"
+    return env_file_text(
+        engine,
+        "for ddserve-engine@",
+        keep=[
+            f"DDSERVE_HOST={host}",
+            f"DDSERVE_PORT={port}",
+            "# the admin token for POST /admin/params: DDSERVE_ADMIN_TOKEN=... here (this file",
+            "# is 0600 and ddserve reconfig keeps lines it does not own)",
+        ],
     )
 
 

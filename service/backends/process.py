@@ -20,10 +20,13 @@ from pathlib import Path
 import httpx
 
 from ddserve.backends.sglang import sglang_command
+from ddserve.config.admin_token import DEFAULT_ENV
 from ddserve.config.engine import EngineConfig
+from ddserve.config.flags import config_environ
 from ddserve.errors import EngineUnavailable
 
 log = logging.getLogger(__name__)
+ADMIN_FILE_ENV = DEFAULT_ENV + "_FILE"
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -41,21 +44,17 @@ def _die_with_parent() -> None:
 
 
 def engine_command(cfg: EngineConfig, host: str, port: int) -> list[str]:
+    """SGLang: its launcher with flags. Builtin: `ddserve engine`, configured by the DDSERVE_*
+    variables of `engine_environ(cfg)`, exactly as a systemd unit's EnvironmentFile does."""
     if cfg.kind == "sglang":
         return sglang_command(cfg, host, port)
-    cmd = [
-        sys.executable,
-        "-m",
-        "ddserve",
-        "engine",
-        "--config-json",
-        cfg.model_dump_json(),
-        "--host",
-        host,
-        "--port",
-        str(port),
-    ]
-    return cmd
+    return [sys.executable, "-m", "ddserve", "engine", "--host", host, "--port", str(port)]
+
+
+def engine_environ(cfg: EngineConfig) -> dict[str, str]:
+    """Variables the engine process of `cfg` starts with (every field: nothing inherited
+    from this process's own DDSERVE_* variables leaks into the engine's config)."""
+    return config_environ(cfg) if cfg.kind == "builtin" else {}
 
 
 class EngineProcess:
@@ -90,9 +89,10 @@ class EngineProcess:
         return self.proc is not None and self.proc.poll() is None
 
     def start(self) -> None:
-        env = {**os.environ, **(self.env or {})}
+        env = {**os.environ, **(engine_environ(self.cfg) if self.cfg else {}), **(self.env or {})}
         if self.admin_token:
-            env["DDSERVE_ADMIN_TOKEN"] = self.admin_token
+            env[DEFAULT_ENV] = self.admin_token
+            env.pop(ADMIN_FILE_ENV, None)  # one source of the token
         out = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
         cmd = self.command or engine_command(self.cfg, self.host, self.port)
         log.info("starting engine: %s", " ".join(cmd[:4]) + " ...")

@@ -3,12 +3,34 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 from ddserve.api.limits import ServerLimits
-from ddserve.config.flags import ENGINE_FLAGS, engine_config_from
+from ddserve.config.admin_token import DEFAULT_ENV, read_admin_token
+from ddserve.config.deploy import load_config
+from ddserve.config.engine import EngineConfig
+from ddserve.config.flags import ENGINE_FIELDS, encode_value, engine_config_from
 from ddserve.errors import ConfigError, EngineUnavailable, error_from_body
+
+METAVAR = {"int": "N", "float": "X", "str": "TEXT", "list": "JSON|A,B", "object": "JSON"}
+
+
+def add_engine_flags(p: argparse.ArgumentParser) -> None:
+    """One flag per EngineConfig field (ddserve.config.flags.ENGINE_FIELDS): name, type, help
+    and default from the model; each falls back to its DDSERVE_* variable."""
+    g = p.add_argument_group(
+        "engine config",
+        "every flag falls back to its variable (--top-p: DDSERVE_TOP_P), then to --config's "
+        "`engine:` section, then to the default",
+    )
+    for s in ENGINE_FIELDS:
+        default = "unset" if s.default is None else encode_value(s, s.default) or '""'
+        help_ = f"{s.help} [env {s.env}; default {default}]".replace("%", "%%")
+        if s.kind == "bool":
+            g.add_argument(s.flag, action=argparse.BooleanOptionalAction, default=None, help=help_)
+        else:
+            metavar = "{" + ",".join(s.choices) + "}" if s.choices else METAVAR[s.kind]
+            g.add_argument(s.flag, default=None, metavar=metavar, help=help_)
 
 
 def add_parsers(sub) -> None:
@@ -16,15 +38,16 @@ def add_parsers(sub) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=30000)
     p.add_argument(
-        "--config", default=None, help="a deploy YAML; its `engine:` section is the base config"
+        "--config",
+        default=None,
+        help="a deploy YAML: its `engine:` section is the base config, its admin_token_env names the token's variable",
     )
-    p.add_argument("--config-json", default=None, help=argparse.SUPPRESS)  # used by replicas
-    for flag, (_, typ, help_) in ENGINE_FLAGS.items():
-        p.add_argument(flag, type=typ, default=None, help=help_)
+    add_engine_flags(p)
     p.add_argument(
-        "--admin-token",
-        default=os.environ.get("DDSERVE_ADMIN_TOKEN"),
-        help="required by POST /admin/params (env DDSERVE_ADMIN_TOKEN)",
+        "--admin-token-file",
+        default=None,
+        metavar="PATH",
+        help=f"file holding the token POST /admin/params requires (else env {DEFAULT_ENV} or {DEFAULT_ENV}_FILE)",
     )
     limits = ServerLimits()
     p.add_argument(
@@ -45,6 +68,7 @@ def add_parsers(sub) -> None:
         default=limits.max_requests,
         help=f"generation requests in flight (running + waiting) at most; more get 429 with Retry-After (default {limits.max_requests}; 0 = no limit)",
     )
+    p.add_argument("--admin-token", default=None, help=argparse.SUPPRESS)  # refused: see below
     p.add_argument("--log-level", default="info")
     c = sub.add_parser(
         "chat", help="send one chat message to a running server and print the answer"
@@ -55,18 +79,25 @@ def add_parsers(sub) -> None:
     c.add_argument("--max-tokens", type=int, default=128)
 
 
-def run_engine(a: argparse.Namespace) -> None:
-    import uvicorn
-
-    from ddserve.api.app import create_app
-    from ddserve.backends.local import LocalBackend
-    from ddserve.engine.runner import EngineRunner
-
-    config = engine_config_from(
-        {flag: getattr(a, flag.lstrip("-").replace("-", "_")) for flag in ENGINE_FLAGS},
-        config_path=a.config,
-        config_json=a.config_json,
+def engine_config_of(a: argparse.Namespace) -> EngineConfig:
+    """The config `ddserve engine` serves with: its flags, variables and --config file."""
+    return engine_config_from(
+        {s.flag: getattr(a, s.dest) for s in ENGINE_FIELDS}, config_path=a.config
     )
+
+
+def admin_token_of(a: argparse.Namespace) -> str | None:
+    if a.admin_token is not None:
+        raise ConfigError(
+            f"--admin-token puts the token on the command line, where every user of the machine can read it; set env {DEFAULT_ENV}, {DEFAULT_ENV}_FILE or --admin-token-file PATH"
+        )
+    var = load_config(a.config).admin_token_env if a.config else DEFAULT_ENV
+    return read_admin_token(var, file=a.admin_token_file)
+
+
+def run_engine(a: argparse.Namespace) -> None:
+    admin_token = admin_token_of(a)  # bad input stops here, before torch is imported
+    config = engine_config_of(a)
     if config.kind != "builtin":
         raise ConfigError(
             "`ddserve engine` runs the builtin engine; an sglang engine is started by its replica (`ddserve up`) or by SGLang's own launcher"
@@ -75,6 +106,13 @@ def run_engine(a: argparse.Namespace) -> None:
         raise ConfigError(
             "--max-body-bytes must be >= 1, --request-timeout and --max-requests >= 0 (0 = none)"
         )
+
+    import uvicorn
+
+    from ddserve.api.app import create_app
+    from ddserve.backends.local import LocalBackend
+    from ddserve.engine.runner import EngineRunner
+
     limits = ServerLimits(
         max_body_bytes=a.max_body_bytes,
         request_timeout_s=a.request_timeout or None,
@@ -82,7 +120,7 @@ def run_engine(a: argparse.Namespace) -> None:
     )
     runner = EngineRunner(config)
     runner.start()
-    app = create_app(LocalBackend(runner), admin_token=a.admin_token, limits=limits)
+    app = create_app(LocalBackend(runner), admin_token=admin_token, limits=limits)
     print(
         f"ddserve engine: {config.model_id} on http://{a.host}:{a.port} (fingerprint {runner.fingerprint})",
         flush=True,

@@ -38,8 +38,8 @@ def add_parsers(sub, default_config: str) -> None:
     )
     common.add_argument(
         "--env-file",
-        default="/etc/ddserve/engine.env",
-        help="engine target: the unit's EnvironmentFile",
+        default=None,
+        help="engine target: the unit's EnvironmentFile (default: /etc/ddserve/engine-NAME.env of --unit ddserve-engine@NAME)",
     )
     common.add_argument(
         "--unit",

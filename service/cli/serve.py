@@ -43,6 +43,7 @@ def run_up(a: argparse.Namespace) -> None:
     from ddserve.config.deploy import load_config
 
     cfg = load_config(a.config)
+    admin_token = cfg.admin_token  # an empty or unreadable token stops here, before deploying
     connect(a.address, start=True, num_cpus=a.num_cpus)  # before anything imports ray
     from ray import serve
 
@@ -72,9 +73,9 @@ def run_up(a: argparse.Namespace) -> None:
     from ddserve.reconfig.ray_target import RayTarget, token_digest
 
     RayTarget(cfg, History(f"ray-{cfg.name}")).record_deployed(
-        cfg, cfg.engine.params.model_dump(), token_digest(cfg.admin_token)
+        cfg, cfg.engine.params.model_dump(), token_digest(admin_token)
     )
-    if not cfg.admin_token:
+    if not admin_token:
         print(
             f"note: {cfg.admin_token_env} is not set, so `ddserve reconfig` will not ask for an admin token"
         )

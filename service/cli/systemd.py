@@ -97,6 +97,8 @@ def dispatch(a) -> int:
                 continue
             tmp = dest.with_name(dest.name + ".tmp")
             tmp.write_text(text)
+            if kind == "env":
+                tmp.chmod(0o600)  # root (PID 1) reads it; it may hold the admin token
             tmp.replace(dest)
         shutil.copyfile(a.config, env_dir / "ddserve.yaml")
         if a.root == "/":

@@ -4,7 +4,7 @@
     engine: {...}                 # ddserve.config.engine.EngineConfig
     replicas: 2                   # or {min: 1, max: 4, target_ongoing_requests: 4}
     http: {host: 127.0.0.1, port: 8000}
-    admin_token_env: DDSERVE_ADMIN_TOKEN   # the token itself never sits in the file
+    admin_token_env: DDSERVE_ADMIN_TOKEN   # or DDSERVE_ADMIN_TOKEN_FILE; never in this file
     health: {period_s: 10, timeout_s: 120, engine_start_timeout_s: 900}
 
 `load_config(path)` validates once and returns a frozen model; any error is one line that
@@ -13,12 +13,12 @@ names the field, the value and what is allowed.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import yaml
 from pydantic import Field, model_validator
 
+from ddserve.config.admin_token import DEFAULT_ENV, read_admin_token
 from ddserve.config.engine import EngineConfig, _Frozen, validate
 from ddserve.errors import ConfigError
 
@@ -67,7 +67,9 @@ class ServeConfig(_Frozen):
     replicas: int | Autoscaling = Field(1, description="A fixed count, or autoscaling bounds.")
     http: HTTPConfig = Field(default_factory=HTTPConfig)
     admin_token_env: str = Field(
-        "DDSERVE_ADMIN_TOKEN", description="Environment variable holding the admin token."
+        DEFAULT_ENV,
+        pattern=r"^[A-Za-z_][A-Za-z0-9_]*$",
+        description="Environment variable holding the admin token (or `<VAR>_FILE`: a file holding it).",
     )
     health: HealthConfig = Field(default_factory=HealthConfig)
     max_ongoing_requests: int = Field(
@@ -99,7 +101,8 @@ class ServeConfig(_Frozen):
 
     @property
     def admin_token(self) -> str | None:
-        return os.environ.get(self.admin_token_env) or None
+        """The token from `admin_token_env` (ddserve.config.admin_token's one rule)."""
+        return read_admin_token(self.admin_token_env)
 
 
 def load_config(path: str | Path) -> ServeConfig:

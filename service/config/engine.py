@@ -10,9 +10,17 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from ddserve.errors import ConfigError
 
@@ -21,6 +29,17 @@ MAX_TOPK = 64
 MAX_DEPTH = 64
 MAX_TEMPERATURE = 100.0
 MIN_TEMPERATURE = 1e-5  # 0 (greedy) or at least this: logits / T must stay finite in float32
+
+
+def _one_line(v: str) -> str:
+    if any(ord(c) < 0x20 or ord(c) == 0x7F for c in v):
+        raise ValueError("must not contain newlines or other control characters")
+    return v
+
+
+# A name, path or argument: it may end up in an EnvironmentFile or on a command line, where a
+# newline would start a new assignment (`x\nLD_PRELOAD=...`), so control characters are refused.
+Text = Annotated[str, AfterValidator(_one_line)]
 
 
 class _Frozen(BaseModel):
@@ -72,18 +91,24 @@ class DrafterConfig(_Frozen):
     kind: Literal["ngram", "dflash", "draft-model", "layer-skip", "none"] = Field(
         "ngram",
         description="ngram: prompt lookup (no weights); dflash: a block drafter conditioned on the target's hidden states (trained weights; builtin for smollm2-135m); draft-model: a smaller LM with the target's tokenizer; layer-skip: the target's first `layers` layers; none: autoregressive.",
+        json_schema_extra={"flag": "--drafter"},
     )
-    dflash_path: str | None = Field(
+    dflash_path: Text | None = Field(
         None,
         description="Directory of a trained DFlash drafter (config.json + model.safetensors); default: the builtin one for the model.",
     )
     depth: int = Field(
         8, ge=1, le=MAX_DEPTH, description="L: draft positions per round (tree depth limit)."
     )
-    draft_model: str | None = Field(
+    draft_model: Text | None = Field(
         None, description="Model spec of the draft model (kind=draft-model)."
     )
-    layers: int = Field(8, ge=1, description="Target layers the layer-skip drafter keeps.")
+    layers: int = Field(
+        8,
+        ge=1,
+        description="Target layers the layer-skip drafter keeps.",
+        json_schema_extra={"flag": "--draft-layers"},
+    )
     ngram_max: int = Field(
         4, ge=1, le=16, description="Longest context suffix the n-gram drafter matches."
     )
@@ -105,17 +130,17 @@ class DrafterConfig(_Frozen):
 class SGLangConfig(_Frozen):
     """How to launch SGLang (engine kind `sglang`). SGLang cannot run on CPU machines."""
 
-    python: str = Field("python3", description="Python interpreter that has sglang installed.")
-    draft_model_path: str | None = Field(
+    python: Text = Field("python3", description="Python interpreter that has sglang installed.")
+    draft_model_path: Text | None = Field(
         None, description="DFlash drafter checkpoint (--speculative-draft-model-path)."
     )
-    speculative_algorithm: str = Field(
+    speculative_algorithm: Text = Field(
         "DFLASH", description="--speculative-algorithm (DFLASH in upstream 0.5.23)."
     )
     block_size: int = Field(
         16, ge=1, description="DFlash block size: --speculative-num-draft-tokens."
     )
-    ddtree_flags: dict[str, str] = Field(
+    ddtree_flags: dict[Text, Text] = Field(
         default_factory=lambda: {
             "budget": "--speculative-ddtree-budget",
             "topk": "--speculative-ddtree-topk",
@@ -124,10 +149,10 @@ class SGLangConfig(_Frozen):
     )
     mem_fraction_static: float | None = Field(None, gt=0, lt=1, description="--mem-fraction-static")
     context_length: int | None = Field(None, ge=2, description="--context-length")
-    extra_args: list[str] = Field(
+    extra_args: list[Text] = Field(
         default_factory=list, description="Appended verbatim to the launch command."
     )
-    tokenizer_path: str | None = Field(
+    tokenizer_path: Text | None = Field(
         None, description="Tokenizer for chat templates in the replica; default: the model path."
     )
 
@@ -157,20 +182,26 @@ class EngineConfig(_Frozen):
         description="GPUs per engine (tensor parallel size); the replica reserves that many.",
     )
     sglang: SGLangConfig | None = Field(None, description="SGLang launch settings (kind=sglang).")
-    restart_fields: list[str] = Field(
+    restart_fields: list[Text] = Field(
         default_factory=list,
         description="Live parameters this deployment always changes by restarting engines (SGLang adds budget, topk, window itself).",
     )
 
-    model: str = Field(
+    model: Text = Field(
         "smollm2-135m",
         description="Model spec: 'smollm2-135m' (bundled GGUF), 'tiny-random[:seed]', a .gguf file or a directory saved by ddserve.",
     )
-    served_name: str | None = Field(
+    served_name: Text | None = Field(
         None, description="Model id in the OpenAI API; defaults to `model`."
     )
-    drafter: DrafterConfig = Field(default_factory=DrafterConfig)
-    params: LiveParams = Field(default_factory=LiveParams)
+    drafter: DrafterConfig = Field(
+        default_factory=DrafterConfig,
+        description="The drafter (its fields are flags of their own).",
+    )
+    params: LiveParams = Field(
+        default_factory=LiveParams,
+        description="Live parameters (their fields are flags of their own).",
+    )
     max_context: int | None = Field(
         None, ge=2, description="Longest prompt + completion; defaults to the model's own limit."
     )

@@ -1,70 +1,82 @@
-"""Engine config from its sources: a deploy YAML's `engine:` section, `ddserve engine` flags and
-the `DDSERVE_*` variables a systemd unit's EnvironmentFile sets (flag > variable > file)."""
+"""Engine config from its sources: `ddserve engine` flags, the `DDSERVE_*` variables (a systemd
+unit's EnvironmentFile, a replica's engine process) and a deploy YAML's `engine:` section.
+
+Every source is derived from `EngineConfig`'s fields (name, type, description, default), so a
+new field reaches every path without a hand-kept table:
+
+  field path          flag              variable              value
+  model               --model           DDSERVE_MODEL         text
+  params.budget       --budget          DDSERVE_BUDGET        int
+  drafter.kind        --drafter         DDSERVE_DRAFTER       ngram | dflash | ...
+  drafter.ngram_max   --ngram-max       DDSERVE_NGRAM_MAX     int
+  restart_fields      --restart-fields  DDSERVE_RESTART_FIELDS  JSON list (or a,b,c)
+  sglang              --sglang          DDSERVE_SGLANG        JSON object of the section
+
+* A required sub-model (`drafter`, `params`) is flattened: its fields are flags of their own,
+  named after the field. A field may name its flag in `json_schema_extra={"flag": ...}`
+  (`drafter.kind` is `--drafter`, `drafter.layers` is `--draft-layers`).
+* An optional sub-model (`sglang`), a list or a dict takes one JSON value; a sub-model's JSON
+  is merged over the config file's section.
+* The variable of `--top-p` is `DDSERVE_TOP_P`; an empty variable counts as unset.
+* Precedence: flag > variable > `--config` file > the field's default.
+"""
 
 from __future__ import annotations
 
 import json
 import os
+import types
+import typing
+from dataclasses import dataclass
+from typing import Any, Literal, Union
+
+from pydantic import BaseModel
 
 from ddserve.config.deploy import load_config
 from ddserve.config.engine import EngineConfig, validate
 from ddserve.errors import ConfigError
 
-# flag -> (path in EngineConfig, type, help); unset flags keep the config file's value or the default
-ENGINE_FLAGS = {
-    "--model": (
-        "model",
-        str,
-        "smollm2-135m | tiny-random[:SEED] | FILE.gguf | converted DIR (default smollm2-135m)",
-    ),
-    "--served-name": ("served_name", str, "model id in the OpenAI API (default: --model)"),
-    "--drafter": (
-        "drafter.kind",
-        str,
-        "ngram | dflash | draft-model | layer-skip | none (default ngram)",
-    ),
-    "--dflash-path": (
-        "drafter.dflash_path",
-        str,
-        "trained DFlash drafter directory (--drafter dflash; default: the model's builtin one)",
-    ),
-    "--draft-model": (
-        "drafter.draft_model",
-        str,
-        "model spec of the draft model (--drafter draft-model)",
-    ),
-    "--draft-layers": ("drafter.layers", int, "target layers kept by --drafter layer-skip"),
-    "--depth": (
-        "drafter.depth",
-        int,
-        "draft positions per round, the tree depth limit (default 8)",
-    ),
-    "--budget": (
-        "params.budget",
-        int,
-        "draft tree nodes verified per round; 0 = autoregressive (default 8)",
-    ),
-    "--topk": ("params.topk", int, "candidates per depth (default 4)"),
-    "--window": ("params.window", int, "drafter attention window in tokens (default 2048)"),
-    "--temperature": ("params.temperature", float, "default temperature, 0 = greedy (default 0)"),
-    "--top-p": ("params.top_p", float, "default nucleus mass (default 1)"),
-    "--top-k": ("params.top_k", int, "default top-k filter, 0 = off"),
-    "--max-context": ("max_context", int, "longest prompt + completion (default: the model's)"),
-    "--device": ("device", str, "auto | cpu | cuda"),
-    "--max-batch": ("max_batch", int, "requests verified together per round (default 32)"),
-    "--dtype": ("dtype", str, "auto | float32 | bfloat16 | float16"),
-    "--graphs": (
-        "graphs",
-        str,
-        "static KV pool + CUDA graphs: auto (with CUDA) | on | off (default auto)",
-    ),
-    "--spec-max-batch": (
-        "spec_max_batch",
-        int,
-        "rounds with more active requests than this verify without a draft (default: always draft)",
-    ),
-    "--compile": ("compile", str, "torch.compile the static engine: auto (with CUDA) | on | off"),
+# DDSERVE_* variables that are not engine fields: no field may derive one of these names
+RESERVED_VARS = {
+    "DDSERVE_HOST",
+    "DDSERVE_PORT",
+    "DDSERVE_ADMIN_TOKEN",
+    "DDSERVE_ADMIN_TOKEN_FILE",
+    "DDSERVE_THREADS",
+    "DDSERVE_CACHE",
+    "DDSERVE_STATE_DIR",
+    "DDSERVE_RAY_HEAD",
+    "DDSERVE_RAY_LOOPBACK",
+    "DDSERVE_DASHBOARD_PNG",
 }
+# flags of `ddserve engine` that are not engine fields
+RESERVED_FLAGS = {
+    "--host",
+    "--port",
+    "--config",
+    "--log-level",
+    "--admin-token",
+    "--admin-token-file",
+}
+
+
+@dataclass(frozen=True)
+class FieldFlag:
+    """One EngineConfig field as a flag and a variable."""
+
+    path: str  # "drafter.ngram_max"
+    flag: str  # "--ngram-max"
+    env: str  # "DDSERVE_NGRAM_MAX"
+    kind: str  # "str" | "int" | "float" | "bool" | "choice" | "list" | "object"
+    choices: tuple[str, ...]
+    optional: bool  # None is a valid value
+    default: Any  # in model_dump(mode="json") form
+    help: str
+    merge: bool = False  # an optional sub-model: its JSON is merged over the file's section
+
+    @property
+    def dest(self) -> str:
+        return self.flag[2:].replace("-", "_")
 
 
 def env_name(flag: str) -> str:
@@ -72,35 +84,169 @@ def env_name(flag: str) -> str:
     return "DDSERVE_" + flag.lstrip("-").replace("-", "_").upper()
 
 
+def _unwrap(annotation) -> tuple[Any, bool]:
+    """(the type without None and Annotated metadata, whether None is allowed)."""
+    optional = False
+    origin = typing.get_origin(annotation)
+    if origin in (Union, types.UnionType):
+        args = [a for a in typing.get_args(annotation) if a is not type(None)]
+        optional = len(args) < len(typing.get_args(annotation))
+        if len(args) != 1:
+            raise ConfigError(f"{annotation}: only X | None unions can become a flag")
+        annotation = args[0]
+    while typing.get_origin(annotation) is typing.Annotated:
+        annotation = typing.get_args(annotation)[0]
+    return annotation, optional
+
+
+def _kind(tp) -> tuple[str, tuple[str, ...]]:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return "choice", tuple(str(c) for c in typing.get_args(tp))
+    if origin is list:
+        return "list", ()
+    if origin is dict or (isinstance(tp, type) and issubclass(tp, BaseModel)):
+        return "object", ()
+    for t in (bool, int, float, str):  # bool before int: bool is an int
+        if tp is t:
+            return t.__name__, ()
+    raise ConfigError(f"{tp}: no flag encoding for this type")
+
+
+def _derive(model: type[BaseModel], prefix: str = "") -> list[FieldFlag]:
+    out = []
+    for name, field in model.model_fields.items():
+        tp, optional = _unwrap(field.annotation)
+        path = prefix + name
+        if isinstance(tp, type) and issubclass(tp, BaseModel) and not optional:
+            out += _derive(tp, path + ".")  # drafter.*, params.*: flags of their own
+            continue
+        extra = field.json_schema_extra if isinstance(field.json_schema_extra, dict) else {}
+        flag = extra.get("flag") or "--" + name.replace("_", "-")
+        kind, choices = _kind(tp)
+        default = field.get_default(call_default_factory=True)
+        if isinstance(default, BaseModel):
+            default = default.model_dump(mode="json")
+        out.append(
+            FieldFlag(
+                path=path,
+                flag=flag,
+                env=env_name(flag),
+                kind=kind,
+                choices=choices,
+                optional=optional,
+                default=default,
+                help=field.description or "",
+                merge=kind == "object" and isinstance(tp, type) and issubclass(tp, BaseModel),
+            )
+        )
+    return out
+
+
+def _check_unique(specs: list[FieldFlag]) -> list[FieldFlag]:
+    seen: dict[str, str] = {}
+    for s in specs:
+        for name in (s.flag, s.env):
+            if name in seen or name in RESERVED_FLAGS | RESERVED_VARS:
+                raise ConfigError(
+                    f"{s.path} and {seen.get(name, 'ddserve')} both derive {name}; "
+                    'name one flag with Field(json_schema_extra={"flag": ...})'
+                )
+            seen[name] = s.path
+    return specs
+
+
+# every EngineConfig field, in model order: the one table flags, variables and env files use
+ENGINE_FIELDS: tuple[FieldFlag, ...] = tuple(_check_unique(_derive(EngineConfig)))
+BY_FLAG = {s.flag: s for s in ENGINE_FIELDS}
+BY_PATH = {s.path: s for s in ENGINE_FIELDS}
+
+
+def parse_value(spec: FieldFlag, raw: object, source: str) -> object:
+    """A flag's or variable's text as the field's value; scalars are converted and checked
+    by pydantic (one rule for every source), JSON-valued fields are decoded here."""
+    if not isinstance(raw, str):
+        return raw
+    if spec.kind in ("int", "float"):
+        try:  # so that an error shows the number: params.budget=-1
+            return int(raw) if spec.kind == "int" else float(raw)
+        except ValueError:
+            return raw  # pydantic names the field and the type
+    if spec.kind not in ("list", "object"):
+        return raw
+    text = raw.strip()
+    if spec.kind == "list" and not text.startswith("["):
+        return [item.strip() for item in text.split(",") if item.strip()]  # a,b,c
+    try:
+        return json.loads(text)
+    except ValueError as exc:
+        raise ConfigError(f"{source}={raw!r}: not valid JSON ({exc})", param=spec.path) from exc
+
+
+def encode_value(spec: FieldFlag, value: object) -> str:
+    """A field's value (model_dump(mode="json") form) as the text of its flag or variable;
+    None is the empty text (unset)."""
+    if value is None:
+        return ""
+    if spec.kind in ("list", "object"):
+        return json.dumps(value, separators=(",", ":"))
+    if spec.kind == "bool":
+        return "true" if value else "false"
+    return str(value)  # float: repr, exact on the way back
+
+
+def field_value(data: dict, path: str) -> object:
+    for key in path.split("."):
+        data = data[key]
+    return data
+
+
+def _assign(data: dict, spec: FieldFlag, value: object) -> None:
+    *parents, leaf = spec.path.split(".")
+    node = data
+    for key in parents:
+        node = node.setdefault(key, {})
+    if spec.merge and isinstance(value, dict) and isinstance(node.get(leaf), dict):
+        value = {**node[leaf], **value}
+    node[leaf] = value
+
+
 def engine_config_from(
     flag_values: dict[str, object],
     *,
     config_path: str | None = None,
-    config_json: str | None = None,
-    environ: dict[str, str] | None = None,
+    environ: typing.Mapping[str, str] | None = None,
 ) -> EngineConfig:
-    """`flag_values` maps a flag (`--budget`) to its value or None (unset)."""
+    """`flag_values` maps a flag (`--budget`) to its text (a bool for bool fields) or None
+    (unset); unset flags fall back to `environ`'s variables, then to the config file."""
     environ = os.environ if environ is None else environ
-    base: dict = {}
-    if config_path:
-        base = load_config(config_path).engine.model_dump()
-    elif config_json:
-        try:
-            base = json.loads(config_json)
-        except ValueError as exc:
-            raise ConfigError(f"--config-json is not valid JSON: {exc}") from exc
-    for flag, (path, typ, _) in ENGINE_FLAGS.items():
-        value = flag_values.get(flag)
-        env = environ.get(env_name(flag))
-        if value is None and env not in (None, ""):
-            try:
-                value = typ(env)  # a unit's EnvironmentFile sets DDSERVE_BUDGET=... and so on
-            except ValueError as exc:
-                raise ConfigError(f"{env_name(flag)}={env!r}: not a valid {typ.__name__}") from exc
-        if value is not None:
-            *parents, leaf = path.split(".")
-            node = base
-            for key in parents:
-                node = node.setdefault(key, {})
-            node[leaf] = value
-    return validate(EngineConfig, base)
+    data: dict = load_config(config_path).engine.model_dump() if config_path else {}
+    origin: dict[str, str] = {}
+    for spec in ENGINE_FIELDS:
+        raw, source = flag_values.get(spec.flag), spec.flag
+        if raw is None:
+            raw, source = environ.get(spec.env), spec.env
+            if raw is not None and not raw.strip():
+                raw = None  # DDSERVE_MAX_CONTEXT= : unset
+        if raw is None:
+            continue
+        _assign(data, spec, parse_value(spec, raw, source))
+        origin[spec.path] = source
+    try:
+        return validate(EngineConfig, data)
+    except ConfigError as exc:
+        param = exc.param or ""
+        source = next(
+            (src for path, src in origin.items() if param == path or param.startswith(path + ".")),
+            None,
+        )
+        if source is None:
+            raise
+        raise ConfigError(f"{exc.message} (set by {source})", param=exc.param) from exc
+
+
+def config_environ(cfg: EngineConfig) -> dict[str, str]:
+    """Every field of `cfg` as its variable (None as the empty text): with these and nothing
+    else, `ddserve engine` serves exactly `cfg`."""
+    data = cfg.model_dump(mode="json")
+    return {s.env: encode_value(s, field_value(data, s.path)) for s in ENGINE_FIELDS}

@@ -19,7 +19,7 @@ def running_engine(*args: str):
         None,
         port=port,
         log_path=log,
-        env={"DDSERVE_THREADS": "1"},
+        env={"DDSERVE_THREADS": "1", "DDSERVE_ADMIN_TOKEN": "s3cret"},  # never on argv
         command=[sys.executable, "-m", "ddserve", "engine", "--port", str(port), *args],
     )
     eng.start()
@@ -41,7 +41,5 @@ def engine_server():
         "6",
         "--topk",
         "2",
-        "--admin-token",
-        "s3cret",
     ) as eng:
         yield eng

@@ -20,11 +20,12 @@ TOKEN = "bench-s3cret"
 def engine():
     port = free_port()
     log = os.path.join(tempfile.mkdtemp(prefix="ddserve-bench-"), "engine.log")
-    args = ["--budget", "4", "--topk", "2", "--admin-token", TOKEN, "--max-context", "1024"]
+    args = ["--budget", "4", "--topk", "2", "--max-context", "1024"]
     eng = EngineProcess(
         None,
         port=port,
         log_path=log,
+        admin_token=TOKEN,
         command=[sys.executable, "-m", "ddserve", "engine", "--port", str(port), *args],
     )
     eng.start()

@@ -16,13 +16,9 @@ import pytest
 
 from ddserve.backends.process import EngineProcess, free_port
 from ddserve.config.engine import EngineConfig
+from ddserve.config.envfile import env_file_text, read_env_file
 from ddserve.reconfig.controller import Controller
-from ddserve.reconfig.engine_target import (
-    EngineTarget,
-    ProcessSupervisor,
-    env_file_text,
-    read_env_file,
-)
+from ddserve.reconfig.engine_target import EngineTarget, ProcessSupervisor
 from ddserve.reconfig.history import History
 
 pytestmark = pytest.mark.slow
@@ -145,6 +141,27 @@ def test_restart_through_the_supervisor_and_failed_config_rolls_back(single_box)
     assert httpx.get(target.url + "/server_info").json()["system_fingerprint"] == good
     assert read_env_file(env_file)["DDSERVE_DRAFTER"] == "ngram"
     assert [r["outcome"] for r in history.records()] == ["succeeded", "rolled_back"]
+
+
+def test_any_engine_field_reaches_the_engine_through_the_env_file(single_box):
+    """drafter.ngram_max had no variable once: such a change could only time out and roll back."""
+    target, sup, history, env_file = single_box
+    pid = sup.proc.pid
+    record = Controller(target, history, progress=lambda _: None).reconfigure(
+        {"drafter.ngram_max": 2, "drafter.ngram_min": 2}, deadline_s=120
+    )
+    assert record["outcome"] == "succeeded" and record["plan"]["strategy"] == "restart", record
+    assert sup.proc.pid != pid
+    info = httpx.get(target.url + "/server_info").json()
+    assert (
+        info["config"]["drafter"]["ngram_max"] == 2 and info["config"]["drafter"]["ngram_min"] == 2
+    )
+    assert info["system_fingerprint"] == record["to_fingerprint"]
+    env = read_env_file(env_file)
+    assert env["DDSERVE_NGRAM_MAX"] == "2" and env["DDSERVE_NGRAM_MIN"] == "2"
+    # the line ddserve does not own survives the rewrite: the new engine is still protected
+    assert env["DDSERVE_ADMIN_TOKEN"] == "tok"
+    assert httpx.post(target.url + "/admin/params", json={"budget": 3}).status_code == 401
 
 
 def test_old_process_still_answering_is_not_taken_for_ready(tmp_path):

@@ -17,6 +17,7 @@ from tests.api.conftest import free_port
 from tests.systemd import nspawn
 
 ROOT = Path(__file__).parents[2]
+ODD_NAME = "tiny 'random' \"model\" $HOME `x` \\y %i #z;=1"
 UNITS = [
     "ddserve-engine@t1.service",
     "ddserve-ray-head.service",
@@ -131,7 +132,9 @@ def test_engine_unit_under_a_real_systemd(tmp_path):
             {
                 "engine": {
                     "model": "tiny-random:7",
+                    "served_name": ODD_NAME,  # quoted in the EnvironmentFile; systemd unquotes it
                     "max_context": 256,
+                    "drafter": {"ngram_max": 3},
                     "params": {"budget": 6, "topk": 2},
                 }
             }
@@ -181,6 +184,24 @@ def test_engine_unit_under_a_real_systemd(tmp_path):
             check=False,
         )
         assert st.returncode == 0 and "ready (real generation ok" in st.stdout
+        info = httpx.get(url + "/server_info").json()
+        assert info["config"]["served_name"] == ODD_NAME
+        assert info["config"]["drafter"]["ngram_max"] == 3
+        # a reconfig of a field with no live path: EnvironmentFile rewritten, systemctl restart,
+        # verified by a real generation; the admin token line the operator added is kept
+        c.run("sh", "-c", "echo DDSERVE_ADMIN_TOKEN=tok >> /etc/ddserve/engine-t1.env")
+        rc = c.run(
+            "sh",
+            "-c",
+            f"cd {src} && DDSERVE_ADMIN_TOKEN=tok DDSERVE_STATE_DIR=/var/tmp/ddserve-state {sys.executable} -m ddserve reconfig set drafter.ngram_max=2 --target engine --unit ddserve-engine@t1.service --url {url} --config {cfg} --deadline 240",
+            check=False,
+            timeout=300,
+        )
+        assert rc.returncode == 0, rc.stdout + rc.stderr
+        info = httpx.get(url + "/server_info").json()
+        assert info["config"]["drafter"]["ngram_max"] == 2
+        assert info["config"]["served_name"] == ODD_NAME
+        assert httpx.post(url + "/admin/params", json={"budget": 3}).status_code == 401
 
 
 def _wait_generation(url: str, timeout: float, not_fp: str | None = None) -> str:
