@@ -79,7 +79,7 @@ def main() -> None:
     from ray import serve
 
     from ddserve.config.deploy import ServeConfig
-    from ddserve.serve.registry import replica_states
+    from ddserve.serve.registry import published_records
     from ddserve.serve.replica import build_app
 
     ray.init(num_cpus=2, logging_level="ERROR", log_to_driver=False, include_dashboard=False)
@@ -93,7 +93,7 @@ def main() -> None:
         }
     )
     serve.run(build_app(cfg), name="bench", route_prefix="/")
-    direct = replica_states("bench")[0]["engine_url"]
+    direct = published_records("bench")[0].engine_url
     paths = {"ray": "http://127.0.0.1:8199", "direct": direct}
     rows = []
     for stream in (False, True):

@@ -7,7 +7,8 @@ supervisor such as systemd). A target provides:
                                           (raises OperationFailed — RolloutFailed,
                                           SupervisorError — with the reason)
 A failed apply is rolled back by applying the previous config the same way (verified the
-same way). Every attempt is recorded, whatever its outcome.
+same way). Every attempt is recorded where the target's state lives (reconfig/history.py):
+as `in_progress` when it starts, then with its outcome, whatever it is.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from datetime import UTC, datetime
 
 from ddserve.config.engine import EngineConfig
 from ddserve.errors import OperationFailed
-from ddserve.reconfig.history import History
+from ddserve.reconfig.history import HistoryStore
 from ddserve.reconfig.plan import Plan, desired_config, plan
 
 
@@ -33,7 +34,7 @@ def describe_plan(p: Plan) -> list[str]:
 
 
 class Controller:
-    def __init__(self, target, history: History, progress: Callable[[str], None] = print):
+    def __init__(self, target, history: HistoryStore, progress: Callable[[str], None] = print):
         self.target = target
         self.history = history
         self.progress = progress
@@ -64,9 +65,7 @@ class Controller:
             self.progress(line)
         if dry_run or p.strategy == "none":
             return {"outcome": "dry-run" if dry_run else "unchanged", "plan": p.to_dict()}
-        attempt = self.history.next_id()
         record = {
-            "id": attempt,
             "action": action,
             "target": self.target.name,
             "user": _user(),
@@ -76,14 +75,36 @@ class Controller:
             "from_fingerprint": current.fingerprint(),
             "to_fingerprint": desired.fingerprint(),
             "plan": p.to_dict(),
+            "outcome": "in_progress",
         }
+        # visible at once, from wherever the target's state is read
+        attempt = record["id"] = self.history.begin(record)
         self.progress(
             f"{attempt}: applying ({p.strategy}) {current.fingerprint()} -> {desired.fingerprint()}"
         )
         t0 = time.monotonic()
         try:
+            self._apply_or_roll_back(record, current, desired, p, deadline_s)
+        except (
+            BaseException
+        ) as exc:  # Ctrl-C or a foreign error: the record says so, not "in_progress"
+            record["outcome"] = "interrupted"
+            record["error"] = f"{type(exc).__name__}: {exc}"
+            raise
+        finally:
+            record.setdefault("apply_s", round(time.monotonic() - t0, 2))
+            record["total_s"] = round(time.monotonic() - t0, 2)
+            self.history.append(record)
+        return record
+
+    def _apply_or_roll_back(
+        self, record: dict, current: EngineConfig, desired: EngineConfig, p: Plan, deadline_s: float
+    ) -> None:
+        attempt, t0 = record["id"], time.monotonic()
+        try:
             record["replicas"] = self.target.apply(desired, p, attempt, deadline_s, self.progress)
             record["outcome"] = "succeeded"
+            return
         except OperationFailed as exc:  # a rollout that did not verify, a failed restart
             record["error"] = exc.message
             record["replicas"] = getattr(exc, "replicas", [])
@@ -91,24 +112,16 @@ class Controller:
             self.progress(
                 f"{attempt}: FAILED: {exc.message}; rolling back to {current.fingerprint()}"
             )
-            t1 = time.monotonic()
-            try:
-                self.target.apply(
-                    current,
-                    plan(desired, current),
-                    f"{attempt}-rollback",
-                    deadline_s,
-                    self.progress,
-                )
-                record["outcome"] = "rolled_back"
-            except OperationFailed as exc2:
-                record["outcome"] = "rollback_failed"
-                record["rollback_error"] = exc2.message
-            record["rollback_s"] = round(time.monotonic() - t1, 2)
-        record.setdefault("apply_s", round(time.monotonic() - t0, 2))
-        record["total_s"] = round(time.monotonic() - t0, 2)
-        self.history.append(record)
-        return record
+        t1 = time.monotonic()
+        try:
+            self.target.apply(
+                current, plan(desired, current), f"{attempt}-rollback", deadline_s, self.progress
+            )
+            record["outcome"] = "rolled_back"
+        except OperationFailed as exc2:
+            record["outcome"] = "rollback_failed"
+            record["rollback_error"] = exc2.message
+        record["rollback_s"] = round(time.monotonic() - t1, 2)
 
 
 def _user() -> str:

@@ -24,8 +24,9 @@ import httpx
 from ddserve.config.deploy import ServeConfig
 from ddserve.config.engine import EngineConfig
 from ddserve.errors import RolloutFailed
-from ddserve.reconfig.history import History
+from ddserve.reconfig.history import HistoryStore
 from ddserve.reconfig.plan import Plan
+from ddserve.serve.registry import ReplicaRecord, ReplicaState
 
 
 def token_digest(token: str | None) -> str:
@@ -35,7 +36,7 @@ def token_digest(token: str | None) -> str:
 class RayTarget:
     name = "ray"
 
-    def __init__(self, fallback: ServeConfig, history: History):
+    def __init__(self, fallback: ServeConfig, history: HistoryStore):
         self.history = history
         state = history.deployed()
         self.init_cfg = ServeConfig.model_validate(state["serve_config"]) if state else fallback
@@ -63,15 +64,11 @@ class RayTarget:
             }
         )
 
-    def observe(self) -> list[dict]:
-        from ddserve.serve.registry import replica_states
+    def observe(self) -> list[ReplicaRecord]:
+        """The application's replicas, each with its effective state (serve.registry)."""
+        from ddserve.serve.registry import replica_view
 
-        fresh = 3 * self.init_cfg.health.period_s + 5
-        return [
-            r
-            for r in replica_states(self.app_name)
-            if time.time() - r["updated"] < fresh or r["state"] == "FAILED"
-        ]
+        return replica_view(self.app_name, self.init_cfg.health.period_s)
 
     def apply(
         self,
@@ -103,56 +100,55 @@ class RayTarget:
         )
         self._verify_through_proxy(desired.fingerprint())
         self.record_deployed(init_cfg, desired.params.model_dump())
-        return replicas
+        return [r.to_dict() for r in replicas]
 
     def _wait_verified(
         self, expected: str, attempt: str, started: float, deadline_s: float, progress
-    ) -> list[dict]:
+    ) -> list[ReplicaRecord]:
         from ray import serve
 
         announced: set[str] = set()
         while time.time() < started + deadline_s:
             states = self.observe()
-            done = [
-                r
-                for r in states
-                if r["state"] == "RUNNING"
-                and r["attempt"] == attempt
-                and r["fingerprint"] == expected
-            ]
+            running = [r for r in states if r.state == ReplicaState.RUNNING]
+            done = [r for r in running if r.attempt == attempt and r.fingerprint == expected]
             for r in done:
-                if r["replica"] not in announced:
-                    announced.add(r["replica"])
+                if r.replica not in announced:
+                    announced.add(r.replica)
                     progress(
-                        f"  replica {r['replica']} ({r['node']}): verified by a real generation, {time.time() - started:.1f}s"
+                        f"  replica {r.replica} ({r.node}): verified by a real generation, {time.time() - started:.1f}s"
                     )
-            old = [r for r in states if r["state"] == "RUNNING" and r not in done]
+            old = [r for r in running if r not in done]
             app = serve.status().applications.get(self.app_name)
             status = str(app.status) if app else "MISSING"
-            failures = [r for r in states if r["state"] == "FAILED" and r["updated"] >= started]
+            failures = [
+                r for r in states if r.state == ReplicaState.FAILED and r.updated >= started
+            ]
             if len(failures) >= 2:  # Serve retried the constructor and it failed again
                 raise RolloutFailed(
-                    f"new replicas fail to start: {self._last_failure(started)}", done
+                    f"new replicas fail to start: {self._last_failure(started)}", _dicts(done)
                 )
             if status.endswith("DEPLOY_FAILED"):
                 raise RolloutFailed(
                     f"Serve reports the deployment failed: {self._last_failure(started) or _serve_error(app)}",
-                    done,
+                    _dicts(done),
                 )
             if done and not old and status.endswith("RUNNING"):
-                running = sum(d.replica_states.get("RUNNING", 0) for d in app.deployments.values())
-                if running == len(done):
+                serving = sum(d.replica_states.get("RUNNING", 0) for d in app.deployments.values())
+                if serving == len(done):
                     return done
             time.sleep(0.25)
         reason = self._last_failure(started) or "replicas did not verify the new config in time"
         raise RolloutFailed(
             f"not verified within {deadline_s:.0f}s: {reason}",
-            [r for r in self.observe() if r["replica"] in announced],
+            _dicts([r for r in self.observe() if r.replica in announced]),
         )
 
     def _last_failure(self, since: float) -> str:
-        failed = [r for r in self.observe() if r["state"] == "FAILED" and r["updated"] >= since]
-        return max(failed, key=lambda r: r["updated"])["error"] if failed else ""
+        failed = [
+            r for r in self.observe() if r.state == ReplicaState.FAILED and r.updated >= since
+        ]
+        return max(failed, key=lambda r: r.updated).error if failed else ""
 
     def _verify_through_proxy(self, expected: str, n: int = 4) -> None:
         h = self.init_cfg.http
@@ -172,6 +168,10 @@ class RayTarget:
                 raise RolloutFailed(
                     f"a request through the proxy got HTTP {r.status_code}, fingerprint {r.json().get('system_fingerprint')!r}, expected {expected}"
                 )
+
+
+def _dicts(records: list[ReplicaRecord]) -> list[dict]:
+    return [r.to_dict() for r in records]
 
 
 def _serve_error(app) -> str:

@@ -197,17 +197,17 @@ def run_sweep(a, model, prompts, out: Path) -> dict:
     from ddserve.config.deploy import load_config
     from ddserve.reconfig.controller import Controller
     from ddserve.reconfig.plan import desired_config
-    from ddserve.reconfig.targets import connect_target, make_target
+    from ddserve.reconfig.targets import make_target
 
     grid = parse_sweep(a.sweep)
     target, history = make_target(
         a.target,
         load_config(a.config),
+        address=a.address,
         url=a.url,
         env_file=a.env_file or str(out / "engine.env"),
         unit=a.unit,
     )
-    connect_target(a.target, a.address)
     controller = Controller(target, history, progress=lambda line: print(line, file=sys.stderr))
     original = target.current_config()
     level = a.sweep_concurrency or parse_levels(a.concurrency)[0]

@@ -11,7 +11,8 @@ from ddserve.config.engine import EngineConfig
 from ddserve.errors import ConfigError
 from ddserve.reconfig.controller import Controller
 from ddserve.reconfig.plan import desired_config, parse_assignments
-from ddserve.reconfig.targets import TARGETS, check_admin, connect_target, make_target
+from ddserve.reconfig.targets import TARGETS, check_admin, make_target
+from ddserve.serve.registry import ReplicaState, as_record
 
 FIELDS_HELP = "budget, topk, window, temperature, top_p, top_k (live parameters) or any engine field as a dotted path (e.g. drafter.depth)"
 
@@ -46,6 +47,12 @@ def add_parsers(sub, default_config: str) -> None:
         default="ddserve-engine@default.service",
         help="engine target: the systemd unit to restart",
     )
+    common.add_argument(
+        "--state-dir",
+        default=None,
+        help="engine target: where its history and deployed config live (default: next to --env-file; "
+        "the Ray target keeps them in the cluster)",
+    )
     s = rs.add_parser("set", parents=[common], help=f"FIELD=VALUE ...: {FIELDS_HELP}")
     s.add_argument("assignments", nargs="+", metavar="FIELD=VALUE")
     s.add_argument("--dry-run", action="store_true", help="print the plan and stop")
@@ -74,7 +81,15 @@ def add_parsers(sub, default_config: str) -> None:
 
 def _target(a):
     cfg = load_config(a.config)
-    target, history = make_target(a.target, cfg, url=a.url, env_file=a.env_file, unit=a.unit)
+    target, history = make_target(
+        a.target,
+        cfg,
+        address=a.address,
+        url=a.url,
+        env_file=a.env_file,
+        unit=a.unit,
+        state_dir=a.state_dir,
+    )
     return cfg, target, history
 
 
@@ -103,27 +118,23 @@ def dispatch(a) -> int:
             )
         return 0
     if cmd == "status":
-        connect_target(a.target, a.address)
         cfg = target.current_config()
-        replicas = target.observe()
-        last = history.records()[-1] if history.records() else None
+        replicas = [as_record(r) for r in target.observe()]
+        records = history.records()
+        last = records[-1] if records else None
         print(f"config in force: {cfg.fingerprint()} {json.dumps(cfg.params.model_dump())}")
+        running = [r for r in replicas if r.state == ReplicaState.RUNNING]
         for r in replicas:
-            mark = (
-                "ok"
-                if r["fingerprint"] == cfg.fingerprint() and r["state"] == "RUNNING"
-                else "MISMATCH"
-                if r["state"] == "RUNNING"
-                else r["state"]
-            )
-            print(f"  replica {r['replica']:10s} {r['state']:9s} {r['fingerprint']:14s} {mark}")
+            if r.state != ReplicaState.RUNNING:
+                mark = r.state
+            else:
+                mark = "ok" if r.fingerprint == cfg.fingerprint() else "MISMATCH"
+            print(f"  replica {r.replica:10s} {r.state:11s} {r.fingerprint:14s} {mark}")
         if last:
             print(
                 f"last attempt: {last['id']} {last['outcome']} ({last['plan']['strategy']}, {last.get('total_s', 0)}s){' - ' + last['error'] if last.get('error') else ''}"
             )
-        mixed = {r["fingerprint"] for r in replicas if r["state"] == "RUNNING"} - {
-            cfg.fingerprint()
-        }
+        mixed = {r.fingerprint for r in running} - {cfg.fingerprint()}
         return 1 if mixed else 0
     controller = Controller(target, history, progress=lambda line: print(line, flush=True))
     if cmd == "set":
@@ -131,7 +142,6 @@ def dispatch(a) -> int:
         desired = desired_config(current, parse_assignments(a.assignments))  # validate first
         if not a.dry_run:
             check_admin(target, cfg_file.admin_token, cfg_file.admin_token_env)
-            connect_target(a.target, a.address)
         record = controller.apply(current, desired, dry_run=a.dry_run, deadline_s=a.deadline)
     elif cmd == "rollback":
         check_admin(target, cfg_file.admin_token, cfg_file.admin_token_env)
@@ -145,7 +155,6 @@ def dispatch(a) -> int:
         )
         if src is None:
             raise ConfigError("no successful reconfiguration to roll back")
-        connect_target(a.target, a.address)
         record = controller.apply(
             target.current_config(),
             EngineConfig.model_validate(src["from"]),

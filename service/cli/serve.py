@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import time
 
 from ddserve.deploy import DEFAULT_CONFIG
 from ddserve.errors import ConfigError, EngineUnavailable
-from ddserve.serve.cluster import connect
-from ddserve.serve.registry import forget_replicas, replica_states
+from ddserve.serve.cluster import connect, stop_started_head
+from ddserve.serve.registry import ReplicaState, replica_view
 
 
 def add_parsers(sub) -> None:
@@ -30,11 +29,16 @@ def add_parsers(sub) -> None:
     st.add_argument("--address", default=None)
     st.add_argument("--json", action="store_true")
     down = sub.add_parser(
-        "down", help="delete the application (and with --stop-ray, the local Ray)"
+        "down",
+        help="delete the application (and with --stop-ray, the Ray head `up` started here)",
     )
     down.add_argument("--config", default=DEFAULT_CONFIG)
     down.add_argument("--address", default=None)
-    down.add_argument("--stop-ray", action="store_true")
+    down.add_argument(
+        "--stop-ray",
+        action="store_true",
+        help="also stop the local Ray head that `ddserve up` started (never another cluster)",
+    )
 
 
 def run_up(a: argparse.Namespace) -> None:
@@ -69,10 +73,10 @@ def run_up(a: argparse.Namespace) -> None:
             f"deployed, but a real generation failed: HTTP {r.status_code} {r.text[:200]}"
         )
     data = r.json()
-    from ddserve.reconfig.history import History
+    from ddserve.reconfig.ray_history import RayHistory
     from ddserve.reconfig.ray_target import RayTarget, token_digest
 
-    RayTarget(cfg, History(f"ray-{cfg.name}")).record_deployed(
+    RayTarget(cfg, RayHistory(cfg.name)).record_deployed(
         cfg, cfg.engine.params.model_dump(), token_digest(admin_token)
     )
     if not admin_token:
@@ -99,19 +103,13 @@ def run_status(a: argparse.Namespace) -> int:
     if app is None:
         print(f"application {cfg.name!r} is not deployed", file=sys.stderr)
         return 1
-    replicas = replica_states(cfg.name)
-    stale_after = 3 * cfg.health.period_s + 5
-    for r in replicas:
-        r["age_s"] = round(time.time() - r["updated"], 1)
-        if r["state"] == "RUNNING" and r["age_s"] > stale_after:
-            r["state"] = "STALE"
-    gone = [r for r in replicas if r["state"] in ("DEAD", "STALE") and r["age_s"] > 2 * stale_after]
-    forget_replicas(cfg.name, [r["replica"] for r in gone])
-    replicas = [r for r in replicas if r not in gone]
+    replicas = replica_view(cfg.name, cfg.health.period_s)
+    now = time.time()
     if a.json:
+        rows = [{**r.to_dict(), "age_s": round(r.age_s(now), 1)} for r in replicas]
         print(
             json.dumps(
-                {"application": cfg.name, "status": str(app.status), "replicas": replicas}, indent=1
+                {"application": cfg.name, "status": str(app.status), "replicas": rows}, indent=1
             )
         )
     else:
@@ -122,30 +120,32 @@ def run_status(a: argparse.Namespace) -> int:
             f"  {'replica':10s} {'state':10s} {'node':15s} {'engine':8s} {'pid':>7s} {'fingerprint':14s} {'budget':>6s} {'topk':>4s} {'window':>6s} {'temp':>5s} {'checked':>8s}"
         )
         for r in replicas:
-            p = r.get("params", {})
+            p = r.params
             print(
-                f"  {r['replica']:10s} {r['state']:10s} {r['node']:15s} {r['engine']:8s} {r['engine_pid'] or 0:7d} {r['fingerprint']:14s} {p.get('budget', ''):>6} {p.get('topk', ''):>4} {p.get('window', ''):>6} {p.get('temperature', ''):>5} {r['age_s']:>7}s"
+                f"  {r.replica:10s} {r.state:10s} {r.node:15s} {r.engine:8s} {r.engine_pid or 0:7d} {r.fingerprint:14s} {p.get('budget', ''):>6} {p.get('topk', ''):>4} {p.get('window', ''):>6} {p.get('temperature', ''):>5} {r.age_s(now):>7.1f}s"
             )
-    healthy = [r for r in replicas if r["state"] == "RUNNING"]
+    healthy = [r for r in replicas if r.state == ReplicaState.RUNNING]
     return 0 if str(app.status).endswith("RUNNING") and healthy else 1
 
 
-def run_down(a: argparse.Namespace) -> None:
+def run_down(a: argparse.Namespace) -> int:
     from ddserve.config.deploy import load_config
 
     cfg = load_config(a.config)
     try:
         connect(a.address, start=False)
+        import ray
         from ray import serve
 
         serve.delete(cfg.name)
         print(f"deleted application {cfg.name}")
+        ray.shutdown()  # this driver leaves before its cluster goes
     except EngineUnavailable:
         if not a.stop_ray:
             raise
     if a.stop_ray:
-        subprocess.run(["ray", "stop"], capture_output=True)
-        print("stopped the local Ray cluster")
+        print(stop_started_head())
+    return 0
 
 
 def dispatch(a: argparse.Namespace) -> int:
@@ -154,7 +154,7 @@ def dispatch(a: argparse.Namespace) -> int:
     elif a.command == "status":
         return run_status(a)
     elif a.command == "down":
-        run_down(a)
+        return run_down(a)
     else:
         raise ConfigError(f"unknown command {a.command}")
     return 0

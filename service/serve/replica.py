@@ -33,7 +33,7 @@ from ddserve.config.deploy import Autoscaling, ServeConfig
 from ddserve.engine.sampling import SamplingParams
 from ddserve.errors import DDServeError, EngineError, EngineUnavailable
 from ddserve.serve.metrics import MeteredBackend, ReplicaMetrics
-from ddserve.serve.registry import drop_status, publish_status
+from ddserve.serve.registry import ReplicaRecord, ReplicaState, drop, publish
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +62,8 @@ class EngineReplica:
             ecfg, admin_token=secrets.token_hex(16), log_path=self.log_path, env=env
         )
         self.engine.start()
+        self.attempt, self.verified_at, self.healthy_at = "", 0.0, 0.0
+        self._publish(ReplicaState.STARTING)
         try:
             await asyncio.to_thread(self.engine.wait_ready, self.cfg.health.engine_start_timeout_s)
             from ddserve.engine.weights import load_tokenizer
@@ -79,12 +81,10 @@ class EngineReplica:
             await self.backend.refresh()
         except BaseException as exc:
             self.engine.stop()
-            self.attempt, self.verified_at, self.healthy_at = "", 0.0, 0.0
-            self._publish("FAILED", f"engine start: {getattr(exc, 'message', exc)}")
+            self._publish(ReplicaState.FAILED, f"engine start: {getattr(exc, 'message', exc)}")
             self._keep_record = True  # __del__ runs next; the controller needs this reason
             raise
         self.healthy_at = time.time()
-        self.attempt, self.verified_at = "", 0.0
         self._watchdog = asyncio.get_running_loop().create_task(self._watch_engine())
         log.info(
             "replica %s ready: engine pid %s at %s, fingerprint %s",
@@ -112,11 +112,11 @@ class EngineReplica:
                 )
         except DDServeError as exc:
             self.backend.m.reconfigured(False, time.monotonic() - t0)
-            self._publish("FAILED", f"reconfigure {attempt}: {exc.message}")
+            self._publish(ReplicaState.FAILED, f"reconfigure {attempt}: {exc.message}")
             raise
         self.attempt, self.verified_at = attempt, time.time()
         self.backend.m.reconfigured(True, time.monotonic() - t0)
-        self._publish("RUNNING")
+        self._publish(ReplicaState.RUNNING)
 
     async def _probe(self) -> str:
         """A real one-token generation on this replica's engine; returns its fingerprint."""
@@ -145,27 +145,28 @@ class EngineReplica:
 
         return app
 
-    def _publish(self, state: str, error: str = "") -> None:
+    def _publish(self, state: ReplicaState, error: str = "") -> None:
         b = getattr(self, "backend", None)
-        publish_status(
+        ctx = ray.get_runtime_context()
+        publish(
             self.cfg.name,
-            self.replica_id,
-            {
-                "replica": self.replica_id,
-                "node": self.node_ip,
-                "node_id": ray.get_runtime_context().get_node_id(),
-                "state": state,
-                "error": error,
-                "engine": self.cfg.engine.kind,
-                "engine_url": self.engine.url,
-                "engine_pid": self.engine.pid,
-                "fingerprint": b.fingerprint if b else "",
-                "params": b.params.model_dump() if b else {},
-                "attempt": getattr(self, "attempt", ""),
-                "verified_at": getattr(self, "verified_at", 0.0),
-                "updated": time.time(),
-                "healthy_at": self.healthy_at,
-            },
+            ReplicaRecord(
+                replica=self.replica_id,
+                state=state,
+                error=error,
+                node=self.node_ip,
+                node_id=ctx.get_node_id(),
+                actor=ctx.get_actor_name() or "",
+                engine=self.cfg.engine.kind,
+                engine_url=self.engine.url,
+                engine_pid=self.engine.pid,
+                fingerprint=b.fingerprint if b else "",
+                params=b.params.model_dump() if b else {},
+                attempt=self.attempt,
+                verified_at=self.verified_at,
+                healthy_at=self.healthy_at,
+                updated=time.time(),
+            ),
         )
 
     async def _watch_engine(self) -> None:
@@ -177,13 +178,13 @@ class EngineReplica:
             await asyncio.sleep(0.5)
         msg = f"engine process {self.engine.pid} exited with code {self.engine.proc.returncode}"
         log.error("%s; stopping replica %s so Serve replaces it", msg, self.replica_id)
-        self._publish("DEAD", msg)
+        self._publish(ReplicaState.DEAD, msg)
         ray.kill(ray.get_runtime_context().current_actor, no_restart=True)
 
     async def check_health(self) -> None:
         """Serve calls this every health.period_s: a real generation, or recent real traffic."""
         if not self.engine.alive():
-            self._publish("UNHEALTHY", "engine process exited")
+            self._publish(ReplicaState.UNHEALTHY, "engine process exited")
             raise EngineUnavailable(
                 f"engine process {self.engine.pid} exited with code {self.engine.proc.returncode}"
             )
@@ -192,10 +193,10 @@ class EngineReplica:
             try:
                 await self.backend.check_health(timeout=self.cfg.health.timeout_s)
             except EngineUnavailable as exc:
-                self._publish("UNHEALTHY", exc.message)
+                self._publish(ReplicaState.UNHEALTHY, exc.message)
                 raise
         self.healthy_at = time.time()
-        self._publish("RUNNING")
+        self._publish(ReplicaState.RUNNING)
 
     async def __del__(self):
         engine = getattr(self, "engine", None)
@@ -205,7 +206,7 @@ class EngineReplica:
         if b is not None:
             await b.inner.aclose()
         if hasattr(self, "cfg") and not getattr(self, "_keep_record", False):
-            drop_status(self.cfg.name, self.replica_id)
+            drop(self.cfg.name, self.replica_id)
 
 
 def deployment_options(cfg: ServeConfig) -> dict:

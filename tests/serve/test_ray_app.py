@@ -5,6 +5,8 @@ import concurrent.futures as cf
 import json
 import os
 import shutil
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -12,11 +14,19 @@ import httpx
 import openai
 import pytest
 
-from ddserve.serve.registry import replica_states
+from ddserve.serve.registry import ReplicaState, published_records, replica_view
 from tests.serve.conftest import MODEL
 from tests.serve.prom import prometheus, query
 
 pytestmark = pytest.mark.slow
+
+
+def view(cfg):
+    return replica_view(cfg.name, cfg.health.period_s)
+
+
+def running(cfg):
+    return [s for s in view(cfg) if s.state == ReplicaState.RUNNING]
 
 
 def client(url):
@@ -46,10 +56,11 @@ def test_openai_client_through_serve_on_both_replicas_and_nodes(serve_app):
             and r.model_extra["ddtree"]["verify_ms"] > 0
         )
     assert len(seen) == 2, seen
-    states = replica_states(cfg.name)
-    assert {s["replica"] for s in states} == seen
-    assert len({s["node_id"] for s in states}) == 2, "replicas must be spread over both nodes"
-    assert {s["fingerprint"] for s in states} == {r.system_fingerprint}
+    states = view(cfg)
+    assert {s.replica for s in states} == seen
+    assert {s.state for s in states} == {ReplicaState.RUNNING}
+    assert len({s.node_id for s in states}) == 2, "replicas must be spread over both nodes"
+    assert {s.fingerprint for s in states} == {r.system_fingerprint}
     # streaming through the proxy gives the same greedy text
     text = "".join(
         ch.choices[0].delta.content or ""
@@ -160,33 +171,57 @@ def _stream_one(url, i):
 
 def test_killed_engine_fails_fast_and_serve_replaces_the_replica(serve_app):
     url, cfg = serve_app
-    victim = replica_states(cfg.name)[0]
+    victim = running(cfg)[0]
     with cf.ThreadPoolExecutor(8) as pool:
         futures = [pool.submit(_stream_one, url, i) for i in range(8)]
         time.sleep(0.5)
-        os.kill(victim["engine_pid"], 9)
+        os.kill(victim.engine_pid, 9)
         outcomes = [f.result(timeout=90) for f in futures]  # never a hang
     assert "ok" in outcomes  # the other replica kept serving
     deadline = time.time() + 120
     while time.time() < deadline:
-        live = [
-            s
-            for s in replica_states(cfg.name)
-            if s["state"] == "RUNNING" and s["replica"] != victim["replica"]
-        ]
+        live = [s for s in running(cfg) if s.replica != victim.replica]
         if len(live) == 2:
             break
         time.sleep(1)
-    assert len(live) == 2, replica_states(cfg.name)
+    assert len(live) == 2, view(cfg)
     c = client(url)
     assert all(chat_raw(c).parse().choices[0].message.content for _ in range(6))
+
+
+def test_status_never_shows_a_killed_replica_running(serve_app, ray_cluster, tmp_path):
+    """A replica killed outright (OOM, SIGKILL) publishes nothing; its record still says
+    RUNNING until it would go stale (11 s here, 35 s at the default period). Status asks
+    Ray whether the actor lives and shows it DEAD at once."""
+    import ray
+
+    _, cfg = serve_app
+    victim = running(cfg)[0]
+    ray.kill(ray.get_actor(victim.actor, namespace="serve"), no_restart=True)
+    t_kill = time.time()
+    published = {r.replica: r for r in published_records(cfg.name)}
+    assert published[victim.replica].state == ReplicaState.RUNNING  # the record alone would lie
+    shown = {r.replica: r for r in view(cfg)}
+    assert shown[victim.replica].state == ReplicaState.DEAD
+    conf = tmp_path / "app.yaml"
+    conf.write_text(cfg.model_dump_json())
+    st = subprocess.run(
+        [sys.executable, "-m", "ddserve", "status", "--json", "--config", str(conf)]
+        + ["--address", ray_cluster.address],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    rows = {r["replica"]: r for r in json.loads(st.stdout)["replicas"]}
+    assert rows[victim.replica]["state"] == "DEAD", (time.time() - t_kill, rows)
+    assert [r for r in rows.values() if r["state"] == "RUNNING"], "the other replica serves on"
 
 
 def test_deleting_the_app_leaves_no_engine_processes(serve_app):
     from ray import serve
 
     _, cfg = serve_app
-    pids = [s["engine_pid"] for s in replica_states(cfg.name) if s["state"] == "RUNNING"]
+    pids = [s.engine_pid for s in running(cfg)]
     assert pids
     serve.delete(cfg.name)
     deadline = time.time() + 30
@@ -206,4 +241,4 @@ def _alive(pid: int) -> bool:
 
 def test_status_json_is_readable(serve_app):
     _, cfg = serve_app
-    assert json.dumps(replica_states(cfg.name))
+    assert json.dumps([r.to_dict() for r in published_records(cfg.name)])

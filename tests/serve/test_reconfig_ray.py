@@ -1,6 +1,7 @@
 """The reconfiguration controller against the real Ray Serve application (2 replicas, one per
 raylet), under continuous load from concurrent clients, streaming and not."""
 
+import json
 import os
 import shutil
 import subprocess
@@ -13,11 +14,11 @@ import httpx
 import pytest
 import yaml
 
-from ddserve.errors import ConfigError
+from ddserve.errors import ConfigError, EngineUnavailable, exit_code
 from ddserve.reconfig.controller import Controller
-from ddserve.reconfig.history import History
+from ddserve.reconfig.ray_history import RayHistory
 from ddserve.reconfig.ray_target import RayTarget
-from ddserve.serve.registry import replica_states
+from ddserve.serve.registry import ReplicaState, replica_view
 from tests.serve.conftest import MODEL
 from tests.serve.prom import prometheus, query
 
@@ -25,7 +26,7 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def app(ray_cluster, serve_port, tmp_path_factory):
+def app(ray_cluster, serve_port):
     from ray import serve
 
     from ddserve.config.deploy import ServeConfig
@@ -51,10 +52,15 @@ def app(ray_cluster, serve_port, tmp_path_factory):
         }
     )
     serve.run(build_app(cfg), name=cfg.name, route_prefix="/")
-    state = tmp_path_factory.mktemp("state")
-    history = History("ray-ddreconf", root=state)
+    history = RayHistory(cfg.name)  # in the cluster, as `ddserve up` records it
     RayTarget(cfg, history).record_deployed(cfg, cfg.engine.params.model_dump(), "")
-    return f"http://127.0.0.1:{port}", cfg, history, state
+    return f"http://127.0.0.1:{port}", cfg, history, ray_cluster.address
+
+
+def running(cfg):
+    return [
+        r for r in replica_view(cfg.name, cfg.health.period_s) if r.state == ReplicaState.RUNNING
+    ]
 
 
 class Load:
@@ -152,7 +158,7 @@ def test_live_reconfig_of_all_four_under_load_drops_nothing(app):
 def test_restart_reconfig_rolls_replicas_under_load_drops_nothing(app):
     url, cfg, history, _ = app
     ctl, lines = controller(app)
-    before = {r["replica"] for r in replica_states(cfg.name) if r["state"] == "RUNNING"}
+    before = {r.replica for r in running(cfg)}
     with Load(url) as load:
         t0 = time.monotonic()
         record = ctl.reconfigure({"params.window": 64}, deadline_s=120)
@@ -168,7 +174,7 @@ def test_restart_reconfig_rolls_replicas_under_load_drops_nothing(app):
     # the old engines may answer during the rollout; after the command returns only the new config does
     after = load.started_after(returned)
     assert after and {r[2] for r in after} == {record["to_fingerprint"]}
-    now = {r["replica"] for r in replica_states(cfg.name) if r["state"] == "RUNNING"}
+    now = {r.replica for r in running(cfg)}
     assert len(now) == 2 and not (now & before), "every replica must have been replaced"
 
 
@@ -190,15 +196,15 @@ def test_config_that_fails_readiness_is_rolled_back_and_traffic_never_fails(app)
         history.records()[-1]["outcome"] == "rolled_back"
         and "not found" in history.records()[-1]["error"]
     )
-    live = [r for r in replica_states(cfg.name) if r["state"] == "RUNNING"]
-    assert len(live) == 2 and {r["fingerprint"] for r in live} == {fp_before}
+    live = running(cfg)
+    assert len(live) == 2 and {r.fingerprint for r in live} == {fp_before}
 
 
 def test_invalid_values_are_rejected_and_nothing_changes(app):
-    url, cfg, history, state = app
+    url, cfg, history, _ = app
     ctl, _ = controller(app)
     n = len(history.records())
-    fps = {r["fingerprint"] for r in replica_states(cfg.name) if r["state"] == "RUNNING"}
+    fps = {r.fingerprint for r in running(cfg)}
     for bad in (
         {"params.topk": 0},
         {"params.temperature": -1},
@@ -209,17 +215,53 @@ def test_invalid_values_are_rejected_and_nothing_changes(app):
         with pytest.raises(ConfigError):
             ctl.reconfigure(bad)
     assert len(history.records()) == n
-    assert {r["fingerprint"] for r in replica_states(cfg.name) if r["state"] == "RUNNING"} == fps
+    assert {r.fingerprint for r in running(cfg)} == fps
+
+
+def test_history_and_deployed_config_are_read_by_another_driver(app, tmp_path):
+    """A fresh process that connects to the cluster (any machine could) reads the same
+    history and deployed config: the state lives with the deployment."""
+    _, cfg, history, address = app
+    code = (
+        "import json, sys\n"
+        "from ddserve.serve.cluster import connect\n"
+        "connect(sys.argv[1], start=False)\n"
+        "from ddserve.reconfig.ray_history import RayHistory\n"
+        "h = RayHistory(sys.argv[2])\n"
+        "print(json.dumps({'records': h.records(), 'deployed': h.deployed()}))\n"
+    )
+    env = {**os.environ, "HOME": str(tmp_path / "home")}
+    r = subprocess.run(
+        [sys.executable, "-c", code, address, cfg.name],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=120,
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    seen = json.loads(r.stdout.strip().splitlines()[-1])
+    assert seen["records"] == history.records() and len(seen["records"]) >= 3
+    assert [x["outcome"] for x in seen["records"]][:3] == ["succeeded", "succeeded", "rolled_back"]
+    assert seen["deployed"] == history.deployed()
+    assert seen["deployed"]["params"]["window"] == 64  # what the restart test deployed
+    assert not (tmp_path / "home" / ".local" / "state").exists()
 
 
 def test_cli_history_and_rollback(app, tmp_path):
-    url, cfg, history, state = app
+    url, cfg, history, address = app
     conf = tmp_path / "app.yaml"
     conf.write_text(cfg.model_dump_json())  # JSON is YAML
-    env = {**os.environ, "DDSERVE_STATE_DIR": str(state)}
+    # no state under the home directory or a state dir: the CLI reads the cluster's
+    env = {
+        **os.environ,
+        "HOME": str(tmp_path / "home"),
+        "DDSERVE_STATE_DIR": str(tmp_path / "state"),
+    }
 
     def run(*args):
         cmd = [sys.executable, "-m", "ddserve", "reconfig", *args, "--config", str(conf)]
+        cmd += ["--address", address]
         return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
 
     h = run("history")
@@ -228,10 +270,26 @@ def test_cli_history_and_rollback(app, tmp_path):
     rb = run("rollback", first["id"])
     assert rb.returncode == 0, rb.stderr
     assert f"now serving {first['from_fingerprint']}" in rb.stdout
+    assert history.records()[-1]["action"] == f"rollback:{first['id']}"  # recorded in the cluster
     st = run("status")
     assert st.returncode == 0 and "MISMATCH" not in st.stdout
     bad = run("set", "budget=-4")
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "params.budget=-4" in bad.stderr
+    assert not (tmp_path / "home" / ".local" / "state").exists()
+    assert not (tmp_path / "state").exists()
+    # an unreachable cluster: one readable line, naming where the state lives
+    gone = subprocess.run(
+        [sys.executable, "-m", "ddserve", "reconfig", "history", "--config", str(conf)]
+        + ["--address", "127.0.0.1:1"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert gone.returncode == exit_code(EngineUnavailable("x")) and gone.stderr.count("\n") == 1, (
+        gone.stderr
+    )
+    assert "history live in its cluster" in gone.stderr
 
 
 @pytest.mark.skipif(
