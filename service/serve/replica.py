@@ -119,12 +119,16 @@ class EngineReplica:
         self._publish(ReplicaState.RUNNING)
 
     async def _probe(self) -> str:
-        """A real one-token generation on this replica's engine; returns its fingerprint."""
+        """A real generation on this replica's engine with the live sampling defaults (sampled
+        when the default temperature is > 0, so a default that breaks sampling fails here);
+        returns its fingerprint."""
         prompt = encode(self.backend.tokenizer, "Hello") or [0]
+        p = self.backend.inner.params
+        sampling = SamplingParams(
+            temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, max_tokens=2, ignore_eos=True
+        )
         fp, n = "", 0
-        async for d in self.backend.inner.stream(
-            prompt, SamplingParams(max_tokens=1, ignore_eos=True)
-        ):
+        async for d in self.backend.inner.stream(prompt, sampling):
             fp = d.fingerprint
             n += len(d.token_ids) or (d.stats.completion_tokens if d.stats else 0)
         if n < 1:
