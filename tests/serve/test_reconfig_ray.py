@@ -248,6 +248,22 @@ def test_history_and_deployed_config_are_read_by_another_driver(app, tmp_path):
     assert not (tmp_path / "home" / ".local" / "state").exists()
 
 
+def test_concurrent_controllers_never_share_an_attempt_id(ray_cluster):
+    history = RayHistory("ddclaim")
+    ids = []
+
+    def run():
+        for _ in range(5):
+            ids.append(history.begin({"outcome": "in_progress"}))
+
+    threads = [threading.Thread(target=run) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(set(ids)) == 20 and [r["id"] for r in history.records()] == sorted(ids)
+
+
 def test_cli_history_and_rollback(app, tmp_path):
     url, cfg, history, address = app
     conf = tmp_path / "app.yaml"
