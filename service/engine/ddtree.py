@@ -27,6 +27,9 @@ from ddserve.engine.sampling import RequestStats, SamplingParams, target_tokens
 from ddserve.engine.tree import Tree, build_tree, tree_mask
 from ddserve.errors import EngineError
 
+# one sequence's result of a round: its new tokens, or the exception that ended it
+Outcome = list[int] | Exception
+
 
 @dataclass
 class Sequence:
@@ -126,11 +129,9 @@ class DDTreeEngine:
         logits, hidden = self.model.forward_batch(
             toks, pos, [s.cache for s in seqs], masks, capture=self.capture
         )
-        for i, seq in enumerate(seqs):
-            if hidden is not None:
-                seq.tree_hidden = hidden[i]
-            if not torch.isfinite(logits[i]).all():
-                raise EngineError("the target produced non-finite logits (broken weights?)")
+        if hidden is not None:
+            for seq, h in zip(seqs, hidden, strict=True):
+                seq.tree_hidden = h
         return logits
 
     @staticmethod
@@ -175,12 +176,28 @@ class DDTreeEngine:
     @torch.inference_mode()
     def step(self, seq: Sequence, params: LiveParams) -> list[int]:
         """One round of one sequence (see `step_batch`). Returns its new tokens."""
-        return self.step_batch([seq], params)[0]
+        out = self.step_batch([seq], params)[0]
+        if isinstance(out, Exception):
+            raise out
+        return out
+
+    def accept_one(self, seq: Sequence, tree: Tree, logits: torch.Tensor) -> list[int]:
+        """Target tokens, accept and commit for one sequence: its new tokens."""
+        # logits: [n+1, V]
+        if not torch.isfinite(logits).all():
+            raise EngineError("the target produced non-finite logits (broken weights?)")
+        targets = target_tokens(logits, seq.sampling, seq.generator).tolist()
+        path, bonus = self.accept(tree, targets)
+        return self.commit(seq, tree, path, bonus)
 
     @torch.inference_mode()
-    def step_batch(self, seqs: list[Sequence], params: LiveParams) -> list[list[int]]:
+    def step_batch(self, seqs: list[Sequence], params: LiveParams) -> list[Outcome]:
         """One round of every sequence: draft and build each tree, verify all trees in one
-        target forward, then accept and commit per sequence. Returns each one's new tokens.
+        target forward, then accept and commit per sequence.
+
+        Atomic per round: if the shared part (drafts, verify) raises, nothing was committed
+        and the caller may retry. After it, each sequence's outcome is its own: its new
+        tokens, or the exception that ended it (its commit did not happen; the others' did).
         Per-request stats: its own draft time, and the shared verify's wall time."""
         trees, draft_s = [], []
         for seq in seqs:
@@ -190,13 +207,17 @@ class DDTreeEngine:
             draft_s.append(time.perf_counter() - t0)
         t1 = time.perf_counter()
         logits = self.verify(seqs, trees)
-        out = []
+        out: list[Outcome] = []
         for seq, tree, lg in zip(seqs, trees, logits, strict=True):
-            targets = target_tokens(lg, seq.sampling, seq.generator).tolist()
-            path, bonus = self.accept(tree, targets)
-            out.append(self.commit(seq, tree, path, bonus))
+            try:
+                out.append(self.accept_one(seq, tree, lg))
+            except Exception as exc:  # noqa: BLE001 - this sequence's failure, not the round's
+                seq.finish_reason = "error"
+                out.append(exc)
         t2 = time.perf_counter()
         for seq, new, d in zip(seqs, out, draft_s, strict=True):
+            if isinstance(new, Exception):
+                continue
             st = seq.stats
             st.draft_s += d
             st.verify_s += t2 - t1

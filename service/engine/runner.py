@@ -365,12 +365,18 @@ class EngineRunner:
             if len(ready) == 1:
                 self._fail(ready[0], sys.exc_info()[1])
                 return
-            # nothing was committed: run them one by one so only the failing one ends
+            # the shared part failed (drafts or verify), before any commit: run them one by
+            # one so only the failing one ends
             log.warning("batched round failed; retrying its %d requests one by one", len(ready))
             for req in ready:
                 self._run_round([req], params, fingerprint)
             return
+        # past the shared forward each request's outcome is its own: a failure ends that
+        # request only, every other one gets this round's tokens (exactly once)
         for req, new in zip(ready, news, strict=True):
+            if isinstance(new, Exception):
+                self._fail(req, new)
+                continue
             seq = req.seq
             req.deliver(StepOutput(new, seq.finished, seq.finish_reason, fingerprint, seq.stats))
 

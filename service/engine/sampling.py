@@ -1,10 +1,19 @@
-"""Per-request sampling parameters and the target's token at every tree node."""
+"""Per-request sampling parameters and the target's token at every tree node.
+
+No parameter value makes sampling produce inf/nan (the engine never fails a request for
+its numbers): a temperature below MIN_TEMPERATURE (or not a number) decodes greedily,
+top_k <= 0 is off, and top_p keeps at least the most likely token."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 import torch
+
+# Below this temperature sampling is greedy decoding: T -> 0 is argmax in the limit, and far
+# enough below it logits / T overflows float32 (softmax of inf is nan). At 1e-5 a logit gap
+# of 1e-4 is already a factor e^10, so nothing a user could observe changes.
+MIN_TEMPERATURE = 1e-5
 
 
 @dataclass(frozen=True)
@@ -22,7 +31,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        """Argmax decoding: temperature 0, anything below MIN_TEMPERATURE, or NaN."""
+        return not self.temperature >= MIN_TEMPERATURE
 
 
 def filtered_probs(
@@ -31,7 +41,7 @@ def filtered_probs(
     """The distribution sampled from: softmax(logits / T), then top-k, then top-p. [N, V]."""
     # logits: [N, V]
     logits = logits.float() / temperature
-    if top_k and top_k < logits.shape[-1]:
+    if 0 < top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     probs = torch.softmax(logits, dim=-1)
@@ -39,6 +49,7 @@ def filtered_probs(
         sorted_p, order = torch.sort(probs, dim=-1, descending=True)
         # keep the smallest prefix whose mass reaches top_p (the first token always stays)
         drop_sorted = (sorted_p.cumsum(-1) - sorted_p) >= top_p
+        drop_sorted[:, 0] = False  # even at top_p <= 0
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         probs = probs.masked_fill(drop, 0.0)
         probs = probs / probs.sum(-1, keepdim=True)

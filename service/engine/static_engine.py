@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from ddserve.config.engine import MAX_TOPK, LiveParams
-from ddserve.engine.ddtree import DDTreeEngine, Sequence
+from ddserve.engine.ddtree import DDTreeEngine, Outcome, Sequence
 from ddserve.engine.dflash import DFlashDrafter
 from ddserve.engine.llama import Llama
 from ddserve.engine.sampling import SamplingParams, target_tokens
@@ -201,7 +201,8 @@ class StaticEngine(DDTreeEngine):
 
     # -- one round of a batch -----------------------------------------------------------
     @torch.inference_mode()
-    def step_batch(self, seqs: list[Sequence], params: LiveParams) -> list[list[int]]:
+    def step_batch(self, seqs: list[Sequence], params: LiveParams) -> list[Outcome]:
+        """See DDTreeEngine.step_batch (the same per-sequence outcomes)."""
         t0 = time.perf_counter()
         trees = self._draft_trees(seqs, params)
         t1 = time.perf_counter()
@@ -229,34 +230,37 @@ class StaticEngine(DDTreeEngine):
         logits, top, taps = self.target.forward(packed, b, w, ctx, True)
         top = top.cpu().numpy()  # the one sync of the verify
         t3 = time.perf_counter()
-        out, moves, src, dst = [], ([], [], []), [], []
+        # decide every sequence's path first (no state changes: a failure here is its own)
+        decided: list[tuple[list[int], int] | Exception] = []
         for seq, tree in zip(seqs, trees, strict=True):
             r0 = seq.cache.slot * w
-            if not top[1, r0 : r0 + tree.size].all():
-                raise EngineError("the target produced non-finite logits (broken weights?)")
-            if seq.sampling.greedy:
-                targets = top[0, r0 : r0 + tree.size].tolist()
-            else:
-                lg = logits[r0 : r0 + tree.size]
-                targets = target_tokens(lg, seq.sampling, seq.generator).tolist()
-            path, bonus = self.accept(tree, targets)
-            keep = [0, *path]
-            n0 = seq.cache.length
+            try:
+                if not top[1, r0 : r0 + tree.size].all():
+                    raise EngineError("the target produced non-finite logits (broken weights?)")
+                if seq.sampling.greedy:
+                    targets = top[0, r0 : r0 + tree.size].tolist()
+                else:
+                    lg = logits[r0 : r0 + tree.size]
+                    targets = target_tokens(lg, seq.sampling, seq.generator).tolist()
+                decided.append(self.accept(tree, targets))
+            except Exception as exc:  # noqa: BLE001 - this sequence's failure, not the round's
+                decided.append(exc)
+        # move the accepted paths' KV (and drafter features) for the whole batch; this writes
+        # only pending entries, so if it fails nothing committed has changed
+        moves, src, dst = ([], [], []), [], []
+        for seq, d in zip(seqs, decided, strict=True):
+            if isinstance(d, Exception):
+                continue
+            keep = [0, *d[0]]
+            n0, slot = seq.cache.length, seq.cache.slot
             for j, i in enumerate(keep):
                 if i != j:
-                    moves[0].append(seq.cache.slot)
+                    moves[0].append(slot)
                     moves[1].append(n0 + j)
                     moves[2].append(n0 + i)
-            seq.cache.length += len(keep)
             if self.sdraft is not None:  # root + accepted path feed the next draft
-                src += [r0 + i for i in keep]
-                dst += [seq.cache.slot * self.sdraft.new_rows + j for j in range(len(keep))]
-                seq.pending = len(keep)
-            new = [tree.tokens[i] for i in path] + [bonus]
-            new = self._truncate_at_stop(seq, new)
-            seq.tokens.extend(new)
-            seq.output.extend(new)
-            out.append(new)
+                src += [slot * w + i for i in keep]
+                dst += [slot * self.sdraft.new_rows + j for j in range(len(keep))]
         self.pool.move(*moves)
         if src:  # copied out now: the next forward of this shape overwrites `taps`
             dev = taps.device
@@ -266,12 +270,30 @@ class StaticEngine(DDTreeEngine):
                 torch.tensor(dst, device=dev),
                 taps.index_select(0, torch.tensor(src, device=dev)),
             )
+        # commit: host state only
+        out: list[Outcome] = []
+        for seq, tree, d in zip(seqs, trees, decided, strict=True):
+            if isinstance(d, Exception):
+                seq.finish_reason = "error"
+                out.append(d)
+                continue
+            path, bonus = d
+            seq.cache.length += len(path) + 1
+            if self.sdraft is not None:
+                seq.pending = len(path) + 1
+            new = [tree.tokens[i] for i in path] + [bonus]
+            new = self._truncate_at_stop(seq, new)
+            seq.tokens.extend(new)
+            seq.output.extend(new)
+            out.append(new)
         t4 = time.perf_counter()
         tm = self.timing
         tm["rounds"] += 1
         tm["verify_s"] += t3 - t2
         tm["accept_s"] += t4 - t3 + t2 - t1
         for seq, new in zip(seqs, out, strict=True):
+            if isinstance(new, Exception):
+                continue
             st = seq.stats
             st.draft_s += (t1 - t0) / len(seqs)
             st.verify_s += t4 - t1

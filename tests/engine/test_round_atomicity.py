@@ -1,0 +1,110 @@
+"""A request that fails inside a batched round fails alone: every other request of that round
+gets its tokens exactly once (its output equals its output alone), for the engine the runner
+builds with graphs off and on. And no sampling value a user can send makes sampling blow up."""
+
+import asyncio
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from ddserve.config.engine import EngineConfig
+from ddserve.engine.runner import EngineRunner
+from ddserve.engine.sampling import SamplingParams, target_tokens
+from ddserve.errors import EngineError
+
+INNOCENT = [[1, 5, 6, 7, 8, 5, 6, 7], [1, 300, 301, 302, 300, 301], [1, 42], [1, 9, 9, 9, 9]]
+
+
+@dataclass(frozen=True)
+class Unsampleable(SamplingParams):
+    """Claims to sample at temperature 0: logits / 0 is inf/nan, so `target_tokens` raises
+    inside the round, after the shared verify (what temperature=1e-40 did before the floor)."""
+
+    @property
+    def greedy(self) -> bool:
+        return False
+
+
+def greedy(n: int = 40) -> SamplingParams:
+    return SamplingParams(max_tokens=n, ignore_eos=True)
+
+
+async def collect(runner: EngineRunner, prompt: list[int], sampling: SamplingParams):
+    out = []
+    try:
+        async for step in runner.generate(prompt, sampling):
+            out += step.token_ids
+    except EngineError as exc:
+        return out, exc
+    return out, None
+
+
+@pytest.fixture(scope="module", params=["off", "on"], ids=["dynamic", "static"])
+def runner(request):
+    cfg = EngineConfig(
+        model="tiny-random",
+        device="cpu",
+        max_batch=8,
+        graphs=request.param,
+        drafter={"kind": "ngram"},
+        params={"budget": 4, "topk": 2},
+    )
+    r = EngineRunner(cfg)
+    r.start()
+    yield r
+    r.shutdown()
+
+
+def alone(runner):
+    async def main():
+        return [(await collect(runner, p, greedy()))[0] for p in INNOCENT]
+
+    return asyncio.run(main())
+
+
+def test_a_request_failing_in_a_batched_round_fails_alone(runner):
+    solo = alone(runner)
+
+    async def main():
+        innocent = [collect(runner, p, greedy()) for p in INNOCENT]
+        poisoned = [collect(runner, p, Unsampleable(max_tokens=40)) for p in INNOCENT[:2]]
+        return await asyncio.gather(*innocent, *poisoned)
+
+    results = asyncio.run(main())
+    together = results[: len(INNOCENT)]
+    assert [err for _, err in together] == [None] * len(INNOCENT)
+    assert [out for out, _ in together] == solo  # token for token, none lost or repeated
+    assert all(len(out) == 40 for out in solo)
+    for out, err in results[len(INNOCENT) :]:
+        assert isinstance(err, EngineError) and out == []
+
+
+def test_a_vanishing_temperature_decodes_greedily_in_a_batch(runner):
+    """temperature=1e-40 used to overflow logits / T into inf/nan inside the round."""
+    solo = alone(runner)
+
+    async def main():
+        tiny_t = SamplingParams(temperature=1e-40, max_tokens=40, ignore_eos=True, seed=1)
+        return await asyncio.gather(
+            *(collect(runner, p, greedy()) for p in INNOCENT), collect(runner, [1, 42], tiny_t)
+        )
+
+    results = asyncio.run(main())
+    assert [err for _, err in results] == [None] * len(results)
+    assert [out for out, _ in results] == [*solo, solo[2]]
+
+
+@pytest.mark.parametrize(
+    "temperature,top_p,top_k",
+    [(1e-40, 1.0, 0), (0.0, 1.0, 0), (-1.0, 1.0, 0), (float("nan"), 1.0, 0), (1e-5, 1.0, 0)]
+    + [(float("inf"), 1.0, 0), (1.0, 0.0, 0), (1.0, -1.0, 0), (1.0, 1.0, -3), (0.7, 1e-9, 1)],
+)
+def test_no_sampling_value_makes_sampling_fail(temperature, top_p, top_k):
+    logits = torch.randn(5, 50, generator=torch.Generator().manual_seed(0)) * 30
+    sp = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k)
+    gen = torch.Generator().manual_seed(0)
+    toks = target_tokens(logits, sp, gen)
+    assert toks.shape == (5,) and bool(((toks >= 0) & (toks < 50)).all())
+    if sp.greedy:
+        assert toks.tolist() == logits.argmax(-1).tolist()
