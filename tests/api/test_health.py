@@ -9,6 +9,7 @@ import torch
 from ddserve.api.app import create_app
 from ddserve.backends.local import LocalBackend
 from ddserve.config.engine import EngineConfig
+from ddserve.engine import sampling
 from ddserve.engine.runner import EngineRunner
 from ddserve.engine.weights import load_model
 
@@ -49,13 +50,26 @@ def test_health_generates_and_fails_when_weights_break(runner):
     assert chat.status_code == 500 and chat.json()["error"]["type"] == "engine_error"
 
 
-def test_health_samples_with_the_live_defaults(runner):
-    """A default that breaks sampling fails readiness even though greedy requests work."""
+def test_health_samples_with_the_live_defaults(runner, monkeypatch):
+    """Readiness generates with the live defaults: a default whose sampling fails (here a
+    sampler that breaks at temperature > 0, standing in for any sampling fault) fails /health
+    although greedy requests work."""
+    import ddserve.engine as engine_pkg
+
+    real = sampling.target_tokens
+
+    def breaks_when_sampled(logits, params, generator):
+        if params.temperature > 0:
+            raise RuntimeError("sampling broke")
+        return real(logits, params, generator)
+
+    for mod in vars(engine_pkg).values():  # every engine module that samples
+        if getattr(mod, "target_tokens", None) is real:
+            monkeypatch.setattr(mod, "target_tokens", breaks_when_sampled)
     app = create_app(LocalBackend(runner))
 
-    def with_temperature(t: float) -> None:  # model_copy skips validation, as a bad path would
-        params = runner.config.params.model_copy(update={"temperature": t})
-        runner.config = runner.config.model_copy(update={"params": params})
+    def with_temperature(t: float) -> None:
+        runner.update_params(temperature=t)
 
     async def health() -> httpx.Response:
         async with httpx.AsyncClient(
@@ -63,7 +77,7 @@ def test_health_samples_with_the_live_defaults(runner):
         ) as c:
             return await c.get("/health")
 
-    with_temperature(0.7)
+    with_temperature(0.0)
     assert asyncio.run(health()).status_code == 200
-    with_temperature(1e-40)  # logits / T overflows: every sampled request would fail
+    with_temperature(0.7)
     assert asyncio.run(health()).status_code in (500, 503)
