@@ -32,6 +32,7 @@ from torch import nn
 
 from ddserve.engine.drafters import DraftContext
 from ddserve.engine.llama import Block, Llama, LlamaConfig, RMSNorm, Rotary, apply_rope, linear
+from ddserve.engine.weights import unreadable
 from ddserve.errors import ConfigError, EngineError
 
 BUILTIN_DIR = Path(__file__).parent / "dflash_weights"
@@ -201,7 +202,9 @@ def load_dflash(directory: Path | str) -> DFlashModel:
         c = DFlashConfig(**{**raw, "target_layers": tuple(raw["target_layers"])})
         state = load_file(directory / "model.safetensors")
     except (OSError, KeyError, TypeError, ValueError) as exc:
-        raise ConfigError(f"no DFlash drafter in {directory}: {exc}") from exc
+        raise unreadable(
+            "drafter.dflash_path", str(directory), "a readable DFlash drafter directory", exc
+        ) from exc
     model = DFlashModel(c)
     model.load_state_dict({k: v.float() for k, v in state.items()})
     return model.eval()

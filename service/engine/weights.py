@@ -198,13 +198,29 @@ def save_converted(model: Llama, tokenizer, directory: Path) -> None:
     tmp.rename(directory)
 
 
+MODEL_SPECS = (
+    "'smollm2-135m', 'tiny-random[:SEED]', a readable .gguf file or a converted model directory"
+)
+
+
+def unreadable(field: str, value: object, what: str, cause: object = None) -> ConfigError:
+    """One message whatever the cause (missing, unreadable, not a model): an error that reaches
+    a remote operator (a reconfig's rollout error) never tells whether a path exists. The cause
+    goes to this process's log, for whoever runs it."""
+    if cause is not None:
+        log.warning("%s=%r: %s", field, value, cause)
+    return ConfigError(f"{field}={value!r}: not {what}")
+
+
 def load_converted(directory: Path) -> tuple[Llama, object | None]:
     directory = Path(directory)
     cfg_path = directory / "config.json"
     try:
         cfg = LlamaConfig.from_dict(json.loads(cfg_path.read_text())["ddserve_llama"])
     except (OSError, KeyError, ValueError) as exc:
-        raise ConfigError(f"model directory {directory} has no ddserve config.json: {exc}") from exc
+        raise unreadable(
+            "model", str(directory), f"a readable model; use {MODEL_SPECS}", exc
+        ) from exc
     with torch.device("meta"):  # no random init and no second copy of the weights
         model = Llama(cfg)
     state = load_file(directory / "weights.safetensors")
@@ -234,7 +250,7 @@ def _convert_gguf(path: Path) -> Path:
             path.parent, gguf_file=path.name, dtype=torch.float32
         )
     except Exception as exc:  # transformers raises many types for unreadable files
-        raise ConfigError(f"cannot read GGUF {path}: {exc}") from exc
+        raise unreadable("model", str(path), f"a readable model; use {MODEL_SPECS}", exc) from exc
     cfg = config_from_hf(hf.config, tok)
     model = from_hf_state_dict(hf.state_dict(), cfg)
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -267,17 +283,12 @@ def load_model(
             ) from exc
         model = random_llama(tiny_config(), seed_i)
         tok = _smollm2_tokenizer() if with_tokenizer else None
-    elif spec.endswith(".gguf"):
-        p = Path(spec)
-        if not p.exists():
-            raise ConfigError(f"model={spec!r}: file not found")
-        model, tok = load_converted(_convert_gguf(p))
+    elif spec.endswith(".gguf") and Path(spec).is_file():
+        model, tok = load_converted(_convert_gguf(Path(spec)))
     elif Path(spec).is_dir():
         model, tok = load_converted(Path(spec))
     else:
-        raise ConfigError(
-            f"model={spec!r}: unknown model; use 'smollm2-135m', 'tiny-random[:SEED]', a .gguf file or a converted directory"
-        )
+        raise unreadable("model", spec, f"a readable model; use {MODEL_SPECS}", "no such file")
     model = model.to(device=device, dtype=dtype)
     return LoadedModel(model=model, tokenizer=tok if with_tokenizer else None, spec=spec)
 
@@ -295,4 +306,4 @@ def load_tokenizer(spec: str):
     try:
         return AutoTokenizer.from_pretrained(directory)
     except (OSError, ValueError) as exc:
-        raise ConfigError(f"no tokenizer for model {spec!r} in {directory}: {exc}") from exc
+        raise unreadable("model", spec, "a model with a readable tokenizer", exc) from exc

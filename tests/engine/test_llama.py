@@ -101,3 +101,26 @@ def test_smollm2_matches_transformers_forward():
     mine = run_all(lm.model, ids)
     assert torch.allclose(mine, ref, atol=2e-3)
     assert lm.tokenizer.decode(mine[-1].argmax()) == " Rome"
+
+
+def test_a_bad_model_path_never_tells_whether_it_exists(tmp_path):
+    """A remote operator's reconfig sees the load error: it is the same for a missing path, an
+    unreadable file and a directory that is no model."""
+    import pytest
+
+    from ddserve.engine.weights import load_model
+    from ddserve.errors import ConfigError
+
+    (tmp_path / "junk.gguf").write_bytes(b"not a gguf")
+    (tmp_path / "dir").mkdir()
+    messages = set()
+    for spec in (
+        str(tmp_path / "missing.gguf"),
+        str(tmp_path / "junk.gguf"),
+        str(tmp_path / "dir"),
+        "/etc/passwd",
+    ):
+        with pytest.raises(ConfigError) as e:
+            load_model(spec, with_tokenizer=False)
+        messages.add(e.value.message.replace(repr(spec), "SPEC"))
+    assert len(messages) == 1, messages
