@@ -189,12 +189,12 @@ def test_config_that_fails_readiness_is_rolled_back_and_traffic_never_fails(app)
         )
         time.sleep(1)
     assert record["outcome"] == "rolled_back", record
-    assert "not found" in record["error"]
+    assert "not a readable model" in record["error"]
     assert load.failures() == []
     assert {r[2] for r in load.results} == {fp_before}
     assert (
         history.records()[-1]["outcome"] == "rolled_back"
-        and "not found" in history.records()[-1]["error"]
+        and "not a readable model" in history.records()[-1]["error"]
     )
     live = running(cfg)
     assert len(live) == 2 and {r.fingerprint for r in live} == {fp_before}
