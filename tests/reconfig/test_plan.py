@@ -46,6 +46,11 @@ def test_restart_fields_and_non_parameter_fields_restart():
         (["topk=0"], "params.topk=0"),
         (["window=0"], "params.window=0"),
         (["temperature=-0.1"], "params.temperature=-0.1"),
+        (["temperature=1e-40"], "must be 0 (greedy) or at least 1e-05"),  # cannot generate
+        (
+            ['drafter.draft_model="x\\nLD_PRELOAD=/tmp/evil.so"'],
+            "drafter.draft_model",
+        ),  # a YAML "\\n" is a newline
         (["top_p=1.5"], "params.top_p=1.5"),
         (["budget"], "FIELD=VALUE"),
         (["colour=red"], "colour: unknown field"),
