@@ -1,1 +1,1 @@
-"""Grafana dashboards, generated from code (grafanalib); the JSON is committed."""
+"""Grafana dashboards, generated from code (grafana-foundation-sdk); the JSON is committed."""

@@ -1,207 +1,298 @@
-"""The ddserve Grafana dashboard, as code. `python -m ddserve.dashboards.ddserve_dashboard` rewrites
-dashboards/ddserve.json (committed). Speculation panels come first.
+"""The ddserve Grafana dashboard, as code (grafana-foundation-sdk, Grafana's own builder
+library: current schema, datasource references as objects).
 
-Every query reads the replicas' metrics as Prometheus sees them (Ray's `ray_` prefix, label
-`replica`); `$replica` filters, `$__rate_interval`/`$__range` are Grafana's.
+    python -m ddserve.dashboards.ddserve_dashboard    rewrites dashboards/ddserve.json (committed)
+
+One dashboard for both deployments: the bare engine's /metrics and the Ray replicas share
+the `ddserve:` names (deploy/prometheus.yml renames Ray's `ray_ddserve_*` at scrape time and
+gives a bare engine's series a `replica` label: its address). Variables: `$datasource`,
+`$application` (Ray's Serve application; bare engines have none), `$model` (`model_name`),
+`$replica`. "All" is `.*`, which also matches a series without the label. Speculation
+panels come first; the Serve router queue is the one panel only Ray has.
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
-from grafanalib._gen import DashboardEncoder
-from grafanalib.core import (
-    BarGauge,
-    Dashboard,
-    GridPos,
-    Table,
-    Target,
-    Template,
-    Templating,
-    TimeSeries,
-)
+from grafana_foundation_sdk.builders import bargauge, common, dashboard, prometheus, table
+from grafana_foundation_sdk.builders import timeseries as ts
+from grafana_foundation_sdk.cog.encoder import JSONEncoder
+from grafana_foundation_sdk.models.common import BarGaugeDisplayMode
+from grafana_foundation_sdk.models.dashboard import DataSourceRef, VariableRefresh, VariableSort
+from grafana_foundation_sdk.models.prometheus import PromQueryFormat
 
-SEL = 'replica=~"$replica"'
+SEL = 'application=~"$application", model_name=~"$model", replica=~"$replica"'
 RATE = "[$__rate_interval]"
+DATASOURCE = DataSourceRef(type_val="prometheus", uid="${datasource}")
+
+
+def _rate(name: str, by: str = "") -> str:
+    group = f" by ({by})" if by else ""
+    return f"sum{group} (rate({name}{{{SEL}}}{RATE}))"
 
 
 def _q(name: str, le_q: float) -> str:
     return f"histogram_quantile({le_q}, sum by (le) (rate({name}_bucket{{{SEL}}}{RATE})))"
 
 
-# (title, unit, [(legend, expr)], kind)
-PANELS: list[tuple[str, str, list[tuple[str, str]], str]] = [
-    (
-        "Acceptance length (mean) per replica",
+@dataclass(frozen=True)
+class Panel:
+    row: str
+    title: str
+    unit: str
+    queries: list[tuple[str, str]]  # (legend, PromQL with Grafana's variables)
+    kind: str = "timeseries"  # timeseries | bargauge | table
+    ray_only: bool = False  # a metric of Ray Serve itself: no bare-engine equivalent
+
+
+SPEC, SPEED, LOAD, CONFIG = "Speculative decoding", "Throughput and latency", "Load", "Config"
+
+PANELS: list[Panel] = [
+    Panel(
+        SPEC,
+        "Acceptance length (tau) per replica",
         "none",
         [
             (
                 "{{replica}}",
-                f"sum by (replica) (rate(ray_ddserve_accept_length_sum{{{SEL}}}{RATE})) / sum by (replica) (rate(ray_ddserve_accept_length_count{{{SEL}}}{RATE}))",
-            ),
+                f"{_rate('ddserve:accept_length_sum', 'replica')} / {_rate('ddserve:accept_length_count', 'replica')}",
+            )
         ],
-        "timeseries",
     ),
-    (
+    Panel(
+        SPEC,
+        "Draft acceptance rate per replica (accepted / drafted tokens)",
+        "percentunit",
+        [
+            (
+                "{{replica}}",
+                # Ray exports a counter once it is above 0: none accepted yet reads as 0
+                f"({_rate('ddserve:spec_decode_num_accepted_tokens_total', 'replica')} or {_rate('ddserve:spec_decode_num_draft_tokens_total', 'replica')} * 0) / {_rate('ddserve:spec_decode_num_draft_tokens_total', 'replica')}",
+            )
+        ],
+    ),
+    Panel(
+        SPEC,
+        "Acceptance per draft position (share of drafts accepted that deep)",
+        "percentunit",
+        [
+            (
+                "position {{position}}",
+                f'({_rate("ddserve:spec_decode_num_accepted_tokens_per_pos_total", "position")} or label_replace({_rate("ddserve:spec_decode_num_drafts_total")} * 0, "position", "0", "", "")) / ignoring(position) group_left() {_rate("ddserve:spec_decode_num_drafts_total")}',
+            )
+        ],
+    ),
+    Panel(
+        SPEC,
         "Acceptance length p50 / p90",
         "none",
-        [
-            ("p50", _q("ray_ddserve_accept_length", 0.5)),
-            ("p90", _q("ray_ddserve_accept_length", 0.9)),
-        ],
-        "timeseries",
+        [("p50", _q("ddserve:accept_length", 0.5)), ("p90", _q("ddserve:accept_length", 0.9))],
     ),
-    (
+    Panel(
+        SPEC,
         "Acceptance length distribution (tokens per verify round)",
         "none",
         [
             (
                 "<= {{le}}",
-                f"sum by (le) (increase(ray_ddserve_accept_length_bucket{{{SEL}}}[$__range]))",
-            ),
+                f"sum by (le) (increase(ddserve:accept_length_bucket{{{SEL}}}[$__range]))",
+            )
         ],
         "bargauge",
     ),
-    (
+    Panel(
+        SPEED,
         "Output tokens/s per replica and total",
         "short",
         [
-            (
-                "{{replica}}",
-                f"sum by (replica) (rate(ray_ddserve_generation_tokens_total{{{SEL}}}{RATE}))",
-            ),
-            ("total", f"sum(rate(ray_ddserve_generation_tokens_total{{{SEL}}}{RATE}))"),
+            ("{{replica}}", _rate("ddserve:generation_tokens_total", "replica")),
+            ("total", _rate("ddserve:generation_tokens_total")),
         ],
-        "timeseries",
     ),
-    (
+    Panel(
+        SPEED,
         "Time to first token p50 / p99",
         "s",
         [
-            ("p50", _q("ray_ddserve_time_to_first_token_seconds", 0.5)),
-            ("p99", _q("ray_ddserve_time_to_first_token_seconds", 0.99)),
+            ("p50", _q("ddserve:time_to_first_token_seconds", 0.5)),
+            ("p99", _q("ddserve:time_to_first_token_seconds", 0.99)),
         ],
-        "timeseries",
     ),
-    (
+    Panel(
+        SPEED,
         "Inter-token latency p50 / p99",
         "s",
         [
-            ("p50", _q("ray_ddserve_inter_token_latency_seconds", 0.5)),
-            ("p99", _q("ray_ddserve_inter_token_latency_seconds", 0.99)),
+            ("p50", _q("ddserve:inter_token_latency_seconds", 0.5)),
+            ("p99", _q("ddserve:inter_token_latency_seconds", 0.99)),
         ],
-        "timeseries",
     ),
-    (
+    Panel(
+        SPEED,
+        "End-to-end request latency p50 / p99",
+        "s",
+        [
+            ("p50", _q("ddserve:e2e_request_latency_seconds", 0.5)),
+            ("p99", _q("ddserve:e2e_request_latency_seconds", 0.99)),
+        ],
+    ),
+    Panel(
+        SPEED,
         "Requests/s by status",
         "reqps",
-        [
-            ("{{status}}", f"sum by (status) (rate(ray_ddserve_requests_total{{{SEL}}}{RATE}))"),
-        ],
-        "timeseries",
+        [("{{status}}", _rate("ddserve:requests_total", "status"))],
     ),
-    (
-        "In-flight and queued requests",
+    Panel(
+        LOAD,
+        "Running and waiting requests per replica",
         "short",
         [
-            ("in flight {{replica}}", f"sum by (replica) (ray_ddserve_inflight_requests{{{SEL}}})"),
-            # queued in Serve's router before a replica is chosen: per deployment, not replica
-            (
-                "queued (Serve)",
-                'sum(ray_serve_deployment_queued_queries{deployment="EngineReplica"})',
-            ),
+            ("running {{replica}}", f"sum by (replica) (ddserve:num_requests_running{{{SEL}}})"),
+            ("waiting {{replica}}", f"sum by (replica) (ddserve:num_requests_waiting{{{SEL}}})"),
         ],
-        "timeseries",
     ),
-    (
+    Panel(
+        LOAD,
+        "KV cache slots used per replica",
+        "short",
+        [("{{replica}}", f"sum by (replica) (ddserve:kv_slots_used{{{SEL}}})")],
+    ),
+    Panel(
+        LOAD,
+        "Queued in Ray Serve's router (before a replica is chosen)",
+        "short",
+        [
+            (
+                "{{application}}",
+                'sum by (application) (ray_serve_deployment_queued_queries{application=~"$application"})',
+            )
+        ],
+        ray_only=True,
+    ),
+    Panel(
+        CONFIG,
         "Live config per replica",
         "none",
         [
             (
                 "",
-                f"max by (replica, fingerprint, engine, budget, topk, window, temperature, top_p, top_k) (ray_ddserve_config_info{{{SEL}}} == 1)",
-            ),
+                f"max by (replica, model_name, fingerprint, engine, budget, topk, window, temperature, top_p, top_k) (ddserve:config_info{{{SEL}}} == 1)",
+            )
         ],
         "table",
     ),
-    (
+    Panel(
+        CONFIG,
         "Reconfigurations by result",
         "short",
         [
             (
                 "{{result}}",
-                f"sum by (result) (increase(ray_ddserve_reconfigurations_total{{{SEL}}}[$__range]))",
-            ),
+                f"sum by (result) (increase(ddserve:reconfigurations_total{{{SEL}}}[$__range]))",
+            )
         ],
         "bargauge",
     ),
 ]
 
-
-def build() -> Dashboard:
-    panels = []
-    for i, (title, unit, queries, kind) in enumerate(PANELS):
-        targets = [
-            Target(expr=expr, legendFormat=legend, refId=chr(65 + j))
-            for j, (legend, expr) in enumerate(queries)
-        ]
-        pos = GridPos(h=8, w=12, x=12 * (i % 2), y=8 * (i // 2))
-        if kind == "table":
-            targets = [Target(expr=queries[0][1], refId="A", format="table", instant=True)]
-            panels.append(
-                Table(title=title, dataSource="${datasource}", targets=targets, gridPos=pos)
-            )
-        elif kind == "bargauge":
-            panels.append(
-                BarGauge(
-                    title=title,
-                    dataSource="${datasource}",
-                    targets=targets,
-                    gridPos=pos,
-                    format=unit,
-                    calc="lastNotNull",
-                )
-            )
-        else:
-            panels.append(
-                TimeSeries(
-                    title=title, dataSource="${datasource}", targets=targets, gridPos=pos, unit=unit
-                )
-            )
-    return Dashboard(
-        title="ddserve: DDTree speculative decoding",
-        uid="ddserve-main",
-        tags=["ddserve", "ray-serve", "speculative-decoding"],
-        timezone="browser",
-        refresh="10s",
-        panels=panels,
-        templating=Templating(
-            list=[
-                Template(
-                    name="datasource", type="datasource", query="prometheus", label="Data source"
-                ),
-                Template(
-                    name="replica",
-                    label="Replica",
-                    dataSource="${datasource}",
-                    query="label_values(ray_ddserve_requests_total, replica)",
-                    includeAll=True,
-                    multi=True,
-                    default="$__all",
-                ),
-            ]
-        ),
-    ).auto_panel_ids()
+# (name, label, label_values query)
+VARIABLES = [
+    ("application", "Application", "label_values(ddserve:config_info, application)"),
+    (
+        "model",
+        "Model",
+        'label_values(ddserve:config_info{application=~"$application"}, model_name)',
+    ),
+    (
+        "replica",
+        "Replica",
+        'label_values(ddserve:config_info{application=~"$application", model_name=~"$model"}, replica)',
+    ),
+]
 
 
-def panel_queries() -> list[tuple[str, str]]:
-    """(panel title, PromQL) for every query, for checks against a real Prometheus."""
-    return [(title, expr) for title, _, queries, _ in PANELS for _, expr in queries]
+def _targets(p: Panel) -> list[prometheus.Dataquery]:
+    out = []
+    for j, (legend, expr) in enumerate(p.queries):
+        q = prometheus.Dataquery().expr(expr).ref_id(chr(65 + j)).datasource(DATASOURCE)
+        if p.kind == "table":
+            q = q.format(PromQueryFormat.TABLE).instant()
+        elif legend:
+            q = q.legend_format(legend)
+        out.append(q)
+    return out
+
+
+def _panel(p: Panel):
+    if p.kind == "table":
+        b = table.Panel()
+    elif p.kind == "bargauge":
+        b = (
+            bargauge.Panel()
+            .display_mode(BarGaugeDisplayMode.GRADIENT)
+            .reduce_options(common.ReduceDataOptions().calcs(["lastNotNull"]))
+        )
+    else:
+        b = ts.Panel().line_width(1).fill_opacity(10)
+    b = b.title(p.title).datasource(DATASOURCE).unit(p.unit).height(8).span(12)
+    for t in _targets(p):
+        b = b.with_target(t)
+    return b
+
+
+def build():
+    d = (
+        dashboard.Dashboard("ddserve: DDTree speculative decoding")
+        .uid("ddserve-main")
+        .tags(["ddserve", "ray-serve", "speculative-decoding"])
+        .timezone("browser")
+        .refresh("10s")
+        .time("now-30m", "now")
+        .with_variable(
+            dashboard.DatasourceVariable("datasource").label("Data source").type("prometheus")
+        )
+    )
+    for name, label, query in VARIABLES:
+        d = d.with_variable(
+            dashboard.QueryVariable(name)
+            .label(label)
+            .datasource(DATASOURCE)
+            .query(query)
+            .refresh(VariableRefresh.ON_TIME_RANGE_CHANGED)
+            .sort(VariableSort.ALPHABETICAL_ASC)
+            .include_all(True)
+            .all_value(".*")
+            .multi(True)
+        )
+    row = None
+    for p in PANELS:
+        if p.row != row:
+            d, row = d.with_row(dashboard.Row(p.row)), p.row
+        d = d.with_panel(_panel(p))
+    return d.build()
+
+
+def panel_queries(ray: bool = True) -> list[tuple[str, str]]:
+    """(panel title, PromQL) for every query, for checks against a real Prometheus;
+    `ray=False` leaves out the panels only a Ray deployment has data for."""
+    return [(p.title, e) for p in PANELS if ray or not p.ray_only for _, e in p.queries]
+
+
+def variable_queries() -> list[tuple[str, str]]:
+    """(variable, PromQL) giving each variable's values: `label_values(expr, label)` as
+    `group by (label) (expr)`."""
+    out = []
+    for name, _, query in VARIABLES:
+        expr, label = query.removeprefix("label_values(").removesuffix(")").rsplit(",", 1)
+        out.append((name, f"group by ({label.strip()}) ({expr})"))
+    return out
 
 
 def to_json() -> str:
-    return json.dumps(build().to_json_data(), cls=DashboardEncoder, indent=2, sort_keys=True) + "\n"
+    return json.dumps(build(), cls=JSONEncoder, indent=2, sort_keys=True) + "\n"
 
 
 def main() -> None:

@@ -13,13 +13,15 @@ import httpx
 
 from ddserve.dashboards.ddserve_dashboard import PANELS
 
-MAIN = [0, 3, 4, 6]  # acceptance length, tok/s, TTFT, requests by status
+MAIN = [0, 5, 6, 9]  # acceptance length, tok/s, TTFT, requests by status
 
 
 def grafana_to_promql(expr: str, rate_window: str = "15s", range_window: str = "10m") -> str:
     return (
         expr.replace("$__rate_interval", rate_window)
         .replace("$__range", range_window)
+        .replace("$application", ".*")
+        .replace("$model", ".*")
         .replace("$replica", ".*")
     )
 
@@ -33,8 +35,9 @@ def render(prometheus: str, out: str, minutes: float = 5.0, step: float = 2.0) -
     end = time.time()
     fig, axes = plt.subplots(2, 2, figsize=(12, 7))
     for ax, idx in zip(axes.flat, MAIN, strict=True):
-        title, unit, queries, _ = PANELS[idx]
-        for legend, expr in queries:
+        p = PANELS[idx]
+        title, unit = p.title, p.unit
+        for legend, expr in p.queries:
             r = httpx.get(
                 f"{prometheus}/api/v1/query_range",
                 params={

@@ -7,6 +7,8 @@
   GET  /health                a real one-token generation (SGLang's /health_generate)
   GET  /server_info           effective config, fingerprint, load, totals
   POST /admin/params          change live parameters; answers once they are in force
+  GET  /metrics               Prometheus metrics (ddserve.api.observability), when this app
+                              meters its own backend (the engine server; not a Ray replica)
 
 Errors: `ddserve.errors.openai_error_body` is the only mapping to HTTP. Before a stream's
 first chunk an error is an HTTP status; after it, an `error` event in the stream.
@@ -15,7 +17,9 @@ first chunk an error is an HTTP status; after it, an `error` event in the stream
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import os
 import time
 from collections.abc import AsyncIterator
 
@@ -35,6 +39,14 @@ from ddserve.api.limits import (
     deadline_of,
     deadline_stream,
     guarded,
+)
+from ddserve.api.observability import (
+    AccessLog,
+    MeteredBackend,
+    PrometheusExporter,
+    StatsLog,
+    drafter_depth,
+    runner_load,
 )
 from ddserve.api.protocol import (
     AdminParams,
@@ -70,12 +82,47 @@ def create_app(
     title: str = "ddserve engine",
     admin_enabled: bool = True,
     limits: ServerLimits | None = None,
+    access_log: bool | None = None,
+    stats_interval_s: float | None = None,
 ) -> FastAPI:
     """The OpenAI API over any backend (ddserve.api.backend.Backend: the contract), under
-    `limits` (ddserve.api.limits: body size, deadline, admission)."""
+    `limits` (ddserve.api.limits: body size, deadline, admission).
+
+    A backend that is not metered yet gets a `MeteredBackend` with a Prometheus exporter,
+    served at GET /metrics (the engine server); a `MeteredBackend` passed in keeps its own
+    exporter (a Ray replica: Ray's metrics agent exports it). `access_log` (default: env
+    DDSERVE_ACCESS_LOG=1) logs one line per HTTP request; a stats line is logged every
+    `stats_interval_s` while there is work (default: env DDSERVE_STATS_INTERVAL or 10; 0 = off)."""
     limits = limits or ServerLimits()
-    app = FastAPI(title=title, docs_url=None, redoc_url=None)
+    if access_log is None:
+        access_log = os.environ.get("DDSERVE_ACCESS_LOG", "").lower() in ("1", "true", "yes", "on")
+    if stats_interval_s is None:
+        stats_interval_s = float(os.environ.get("DDSERVE_STATS_INTERVAL") or 10.0)
+    exporter = None
+    if not isinstance(backend, MeteredBackend):
+        exporter = PrometheusExporter(backend.model_id)
+        backend = MeteredBackend(
+            backend,
+            exporter,
+            drafter_depth=drafter_depth(backend.info().get("config", {}).get("drafter", {})),
+            load=runner_load(backend),
+            record_reconfig=True,
+        )
+    stats = StatsLog(backend, stats_interval_s)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI):
+        task = asyncio.create_task(stats.run()) if stats_interval_s > 0 else None
+        try:
+            yield
+        finally:
+            if task is not None:
+                task.cancel()
+
+    app = FastAPI(title=title, docs_url=None, redoc_url=None, lifespan=lifespan)
     app.add_middleware(BodySizeLimit, max_bytes=limits.max_body_bytes)
+    if access_log:
+        app.add_middleware(AccessLog)  # outermost: sees every answer, 413s included
     started_at = time.time()
     model_id = backend.model_id
     totals = {
@@ -390,6 +437,14 @@ def create_app(
             "system_fingerprint": backend.fingerprint,
             "latency_ms": round(latency * 1e3, 2),
         }
+
+    if exporter is not None:
+
+        @app.get("/metrics", include_in_schema=False)
+        async def metrics():
+            backend.refresh_gauges()
+            body, content_type = exporter.render()
+            return Response(body, media_type=content_type)
 
     @app.get("/server_info")
     async def server_info():

@@ -22,17 +22,19 @@ import secrets
 import tempfile
 import time
 
+import httpx
 import ray
 from ray import serve
 
 from ddserve.api.app import create_app
+from ddserve.api.observability import MeteredBackend, drafter_depth
 from ddserve.api.text import encode
 from ddserve.backends.process import EngineProcess
 from ddserve.backends.remote import RemoteBackend
 from ddserve.config.deploy import Autoscaling, ServeConfig
 from ddserve.engine.sampling import SamplingParams
 from ddserve.errors import DDServeError, EngineError, EngineUnavailable
-from ddserve.serve.metrics import MeteredBackend, ReplicaMetrics
+from ddserve.serve.metrics import RayExporter, poll_engine_load
 from ddserve.serve.registry import ReplicaRecord, ReplicaState, drop, publish
 
 log = logging.getLogger(__name__)
@@ -76,7 +78,8 @@ class EngineReplica:
                 RemoteBackend.for_config(
                     self.engine.url, ecfg, tokenizer, admin_token=self.engine.admin_token
                 ),
-                ReplicaMetrics(),
+                RayExporter(ecfg.model_id),
+                drafter_depth=drafter_depth(ecfg.drafter.model_dump()),
             )
             await self.backend.refresh()
         except BaseException as exc:
@@ -111,11 +114,11 @@ class EngineReplica:
                     f"engine answers with fingerprint {fingerprint}, expected {expected}"
                 )
         except DDServeError as exc:
-            self.backend.m.reconfigured(False, time.monotonic() - t0)
+            self.backend.reconfigured(False, time.monotonic() - t0)
             self._publish(ReplicaState.FAILED, f"reconfigure {attempt}: {exc.message}")
             raise
         self.attempt, self.verified_at = attempt, time.time()
-        self.backend.m.reconfigured(True, time.monotonic() - t0)
+        self.backend.reconfigured(True, time.monotonic() - t0)
         self._publish(ReplicaState.RUNNING)
 
     async def _probe(self) -> str:
@@ -174,12 +177,13 @@ class EngineReplica:
         )
 
     async def _watch_engine(self) -> None:
-        """Keeps the metric gauges fresh, and: an engine that exits takes its replica with
-        it at once, so the proxy stops routing here within a second instead of at the next
-        health check."""
-        while self.engine.alive():
-            self.backend.m.refresh()
-            await asyncio.sleep(0.5)
+        """Keeps the metric gauges fresh (the engine's load read from its /metrics), and: an
+        engine that exits takes its replica with it at once, so the proxy stops routing here
+        within a second instead of at the next health check."""
+        async with httpx.AsyncClient() as client:
+            while self.engine.alive():
+                self.backend.refresh_gauges(await poll_engine_load(client, self.engine.url))
+                await asyncio.sleep(0.5)
         msg = f"engine process {self.engine.pid} exited with code {self.engine.proc.returncode}"
         log.error("%s; stopping replica %s so Serve replaces it", msg, self.replica_id)
         self._publish(ReplicaState.DEAD, msg)

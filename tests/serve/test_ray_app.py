@@ -113,12 +113,13 @@ def test_bad_requests_get_openai_errors_through_serve(serve_app, body, status):
     assert r.status_code == status and r.json()["error"]["message"]
 
 
+# Ray's `ray_ddserve_*` as the scrape config renames them: the bare engine's names
 PROM_QUERIES = {
-    "accept": "sum by (replica) (ray_ddserve_accept_length_count)",
-    "accept_mean": "sum by (replica) (ray_ddserve_accept_length_sum) / sum by (replica) (ray_ddserve_accept_length_count)",
-    "tokens": "sum by (replica) (ray_ddserve_generation_tokens_total)",
-    "ttft": "sum by (replica) (ray_ddserve_time_to_first_token_seconds_count)",
-    "config": "max by (replica, fingerprint) (ray_ddserve_config_info)",
+    "accept": "sum by (replica, model_name) (ddserve:accept_length_count)",
+    "accept_mean": "sum by (replica, model_name) (ddserve:accept_length_sum) / sum by (replica, model_name) (ddserve:accept_length_count)",
+    "tokens": "sum by (replica, model_name) (ddserve:generation_tokens_total)",
+    "ttft": "sum by (replica, model_name) (ddserve:time_to_first_token_seconds_count)",
+    "config": "max by (replica, model_name, fingerprint) (ddserve:config_info)",
 }
 
 
@@ -145,6 +146,7 @@ def test_real_prometheus_scrapes_metrics_per_replica(serve_app, tmp_path):
             assert len(series) >= 2, (name, series)  # one series per replica
             assert all(float(s["value"][1]) > 0 for s in series), (name, series)
             assert all(s["metric"].get("replica") for s in series)
+            assert all(s["metric"].get("model_name") == MODEL for s in series), series
 
 
 def _stream_one(url, i):

@@ -12,7 +12,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-import yaml
 
 from ddserve.errors import ConfigError, EngineUnavailable, exit_code
 from ddserve.reconfig.controller import Controller
@@ -20,7 +19,13 @@ from ddserve.reconfig.ray_history import RayHistory
 from ddserve.reconfig.ray_target import RayTarget
 from ddserve.serve.registry import ReplicaState, replica_view
 from tests.serve.conftest import MODEL
-from tests.serve.prom import prometheus, query
+from tests.serve.prom import (
+    dashboard_queries,
+    prometheus,
+    promtool_check_queries,
+    query,
+    without_data,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -323,32 +328,10 @@ def test_every_dashboard_panel_query_is_valid_and_returns_data(app, tmp_path):
     assert committed == to_json(), (
         "dashboards/ddserve.json is stale: run python -m ddserve.dashboards.ddserve_dashboard"
     )
-    queries = [(title, grafana_to_promql(expr)) for title, expr in panel_queries()]
-    rules = tmp_path / "rules.yml"
-    rules.write_text(
-        yaml.safe_dump(
-            {
-                "groups": [
-                    {
-                        "name": "panels",
-                        "rules": [
-                            {"record": f"panel_{i}", "expr": q} for i, (_, q) in enumerate(queries)
-                        ],
-                    }
-                ]
-            }
-        )
-    )
-    check = subprocess.run(
-        ["promtool", "check", "rules", str(rules)], capture_output=True, text=True
-    )
-    assert check.returncode == 0, check.stdout + check.stderr
+    queries = dashboard_queries(ray=True)
+    promtool_check_queries(tmp_path, queries)
     with prometheus(tmp_path) as prom, Load(url, n=2):
-        deadline = time.time() + 120
-        empty = queries
-        while time.time() < deadline and empty:
-            time.sleep(2)
-            empty = [(t, q) for t, q in empty if not query(prom, q)]
+        empty = without_data(prom, queries, timeout=120)
         assert not empty, f"panels without data: {empty}"
         out = os.environ.get("DDSERVE_DASHBOARD_PNG") or str(tmp_path / "dashboard.png")
         if os.environ.get("DDSERVE_DASHBOARD_PNG"):
