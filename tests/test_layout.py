@@ -256,3 +256,18 @@ def test_wheel_serves_without_the_checkout(wheel, tmp_path):
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+def test_no_merge_conflict_markers_left():
+    tracked = subprocess.run(
+        ["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout.split()
+    marked = []
+    for name in tracked:
+        path = ROOT / name
+        if path.suffix not in {".py", ".md", ".yaml", ".yml", ".toml", ".sh", ".json"}:
+            continue
+        lines = path.read_text(errors="replace").splitlines()
+        if any(ln.startswith(("<<<<<<< ", ">>>>>>> ")) for ln in lines):
+            marked.append(name)
+    assert marked == []
