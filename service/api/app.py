@@ -25,6 +25,7 @@ from fastapi.responses import Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from ddserve.api import openai_format as fmt
+from ddserve.api.auth import ApiKeyAuth
 from ddserve.api.backend import Backend
 from ddserve.api.generation import accept_histogram, complete, resolve_sampling
 from ddserve.api.http_errors import ERRORS, error_response, http_error, validation_message
@@ -70,12 +71,16 @@ def create_app(
     title: str = "ddserve engine",
     admin_enabled: bool = True,
     limits: ServerLimits | None = None,
+    api_key: str | None = None,
 ) -> FastAPI:
     """The OpenAI API over any backend (ddserve.api.backend.Backend: the contract), under
-    `limits` (ddserve.api.limits: body size, deadline, admission)."""
+    `limits` (ddserve.api.limits: body size, deadline, admission); with `api_key`, /v1/* and
+    /generate need it as a Bearer token (ddserve.api.auth)."""
     limits = limits or ServerLimits()
     app = FastAPI(title=title, docs_url=None, redoc_url=None)
     app.add_middleware(BodySizeLimit, max_bytes=limits.max_body_bytes)
+    if api_key is not None:
+        app.add_middleware(ApiKeyAuth, api_key=api_key)  # outermost: 401 before anything
     started_at = time.time()
     model_id = backend.model_id
     totals = {
@@ -398,6 +403,7 @@ def create_app(
             "totals": dict(totals),
             "uptime_s": round(time.time() - started_at, 1),
             "admin_protected": admin_token is not None,
+            "api_key_required": api_key is not None,
             "in_flight": admission.active,
         }
 
