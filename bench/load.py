@@ -97,9 +97,10 @@ async def run_level(
     ignore_eos: bool,
     timeout: float,
     on_done=None,
+    headers: dict[str, str] | None = None,
 ) -> dict:
     limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency)
-    async with httpx.AsyncClient(limits=limits) as client:
+    async with httpx.AsyncClient(limits=limits, headers=headers) as client:
 
         async def send(i: int) -> RequestResult:
             body = {

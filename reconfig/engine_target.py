@@ -25,6 +25,7 @@ from pathlib import Path
 import httpx
 
 from ddserve.backends.process import EngineProcess
+from ddserve.config import api_key
 from ddserve.config.engine import EngineConfig
 from ddserve.config.envfile import read_env_file, write_env_file
 from ddserve.errors import RolloutFailed, SupervisorError
@@ -83,6 +84,7 @@ class EngineTarget:
         history: History,
         *,
         admin_token: str | None = None,
+        api_key: str | None = None,
         verify_timeout_s: float = 60.0,
     ):
         self.url = url.rstrip("/")
@@ -90,6 +92,7 @@ class EngineTarget:
         self.supervisor = supervisor
         self.history = history
         self.admin_token = admin_token
+        self.api_key = api_key
         self.verify_timeout_s = verify_timeout_s
 
     def current_config(self) -> EngineConfig:
@@ -141,6 +144,13 @@ class EngineTarget:
         self.history.save_deployed({"engine": desired.model_dump(mode="json")})
         return [result]
 
+    def _api_headers(self) -> dict[str, str]:
+        """The engine's API key: the one given, else the one its EnvironmentFile sets."""
+        key = self.api_key
+        if key is None and self.env_file.exists():
+            key = api_key.read_api_key(environ=read_env_file(self.env_file))
+        return api_key.bearer(key)
+
     def _verify(self, expected: str, deadline: float, progress) -> dict:
         """Real generations until one comes back non-empty with the new fingerprint."""
         seen_old = 0
@@ -148,7 +158,12 @@ class EngineTarget:
         body = {"text": "Hello", "sampling_params": {"max_new_tokens": 2, "ignore_eos": True}}
         while time.monotonic() < deadline:
             try:
-                r = httpx.post(self.url + "/generate", json=body, timeout=self.verify_timeout_s)
+                r = httpx.post(
+                    self.url + "/generate",
+                    json=body,
+                    headers=self._api_headers(),
+                    timeout=self.verify_timeout_s,
+                )
                 if r.status_code == 200:
                     data = r.json()
                     fp = data.get("system_fingerprint")

@@ -21,6 +21,7 @@ from collections.abc import Callable
 
 import httpx
 
+from ddserve.config import api_key
 from ddserve.config.deploy import ServeConfig
 from ddserve.config.engine import EngineConfig
 from ddserve.errors import RolloutFailed
@@ -159,7 +160,12 @@ class RayTarget:
             "max_tokens": 2,
         }
         for _ in range(n):
-            r = httpx.post(f"http://{host}:{h.port}/v1/chat/completions", json=body, timeout=60)
+            r = httpx.post(
+                f"http://{host}:{h.port}/v1/chat/completions",
+                json=body,
+                headers=api_key.bearer(self.init_cfg.api_key),  # the proxy's replicas check it
+                timeout=60,
+            )
             if (
                 r.status_code != 200
                 or r.json().get("system_fingerprint") != expected

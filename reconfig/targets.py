@@ -51,7 +51,12 @@ def make_target(
         env_file = env_file or unit_env_file(unit)
         history = FileHistory(engine_state_dir(env_file, unit, state_dir))
         target = EngineTarget(
-            url, env_file, SystemdSupervisor(unit), history, admin_token=cfg.admin_token
+            url,
+            env_file,
+            SystemdSupervisor(unit),
+            history,
+            admin_token=cfg.admin_token,
+            api_key=cfg.api_key,
         )
         return target, history
     from ddserve.serve.cluster import connect

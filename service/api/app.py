@@ -29,6 +29,7 @@ from fastapi.responses import Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from ddserve.api import openai_format as fmt
+from ddserve.api.auth import ApiKeyAuth
 from ddserve.api.backend import Backend
 from ddserve.api.generation import accept_histogram, complete, resolve_sampling
 from ddserve.api.http_errors import ERRORS, error_response, http_error, validation_message
@@ -84,9 +85,11 @@ def create_app(
     limits: ServerLimits | None = None,
     access_log: bool | None = None,
     stats_interval_s: float | None = None,
+    api_key: str | None = None,
 ) -> FastAPI:
     """The OpenAI API over any backend (ddserve.api.backend.Backend: the contract), under
-    `limits` (ddserve.api.limits: body size, deadline, admission).
+    `limits` (ddserve.api.limits: body size, deadline, admission); with `api_key`, /v1/* and
+    /generate need it as a Bearer token (ddserve.api.auth).
 
     A backend that is not metered yet gets a `MeteredBackend` with a Prometheus exporter,
     served at GET /metrics (the engine server); a `MeteredBackend` passed in keeps its own
@@ -121,8 +124,10 @@ def create_app(
 
     app = FastAPI(title=title, docs_url=None, redoc_url=None, lifespan=lifespan)
     app.add_middleware(BodySizeLimit, max_bytes=limits.max_body_bytes)
+    if api_key is not None:
+        app.add_middleware(ApiKeyAuth, api_key=api_key)  # outside the body limit: 401 first
     if access_log:
-        app.add_middleware(AccessLog)  # outermost: sees every answer, 413s included
+        app.add_middleware(AccessLog)  # outermost: sees every answer, 401s and 413s included
     started_at = time.time()
     model_id = backend.model_id
     totals = {
@@ -453,6 +458,7 @@ def create_app(
             "totals": dict(totals),
             "uptime_s": round(time.time() - started_at, 1),
             "admin_protected": admin_token is not None,
+            "api_key_required": api_key is not None,
             "in_flight": admission.active,
         }
 

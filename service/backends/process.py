@@ -19,10 +19,11 @@ from pathlib import Path
 
 import httpx
 
-from ddserve.backends.sglang import sglang_command
+from ddserve.backends.sglang import sglang_command, sglang_environ
+from ddserve.config import api_key
 from ddserve.config.admin_token import DEFAULT_ENV
 from ddserve.config.engine import EngineConfig
-from ddserve.config.flags import config_environ
+from ddserve.config.flags import ALIAS_VARS, config_environ
 from ddserve.errors import EngineUnavailable
 
 log = logging.getLogger(__name__)
@@ -53,8 +54,15 @@ def engine_command(cfg: EngineConfig, host: str, port: int) -> list[str]:
 
 def engine_environ(cfg: EngineConfig) -> dict[str, str]:
     """Variables the engine process of `cfg` starts with (every field: nothing inherited
-    from this process's own DDSERVE_* variables leaks into the engine's config)."""
-    return config_environ(cfg) if cfg.kind == "builtin" else {}
+    from this process's own DDSERVE_* variables leaks into the engine's config; SGLang: the
+    tree parameters its build reads from the environment)."""
+    return config_environ(cfg) if cfg.kind == "builtin" else sglang_environ(cfg)
+
+
+# inherited variables an engine child must not see: flag aliases (DDSERVE_SERVED_NAME would
+# configure it behind its config's back) and the API key (the engine listens on loopback
+# behind its replica, which checks the key; the replica's own requests carry none)
+NOT_INHERITED = ALIAS_VARS | {api_key.DEFAULT_ENV, api_key.DEFAULT_ENV + "_FILE"}
 
 
 class EngineProcess:
@@ -89,7 +97,8 @@ class EngineProcess:
         return self.proc is not None and self.proc.poll() is None
 
     def start(self) -> None:
-        env = {**os.environ, **(engine_environ(self.cfg) if self.cfg else {}), **(self.env or {})}
+        inherited = {k: v for k, v in os.environ.items() if k not in NOT_INHERITED}
+        env = {**inherited, **(engine_environ(self.cfg) if self.cfg else {}), **(self.env or {})}
         if self.admin_token:
             env[DEFAULT_ENV] = self.admin_token
             env.pop(ADMIN_FILE_ENV, None)  # one source of the token

@@ -7,11 +7,13 @@ ddserve up|status|down      the Ray Serve application            (cli.serve)
 ddserve reconfig ...        change the serving config safely     (cli.reconfig)
 ddserve systemd ...         units for a single box               (cli.systemd)
 ddserve bench ...           load benchmark against a server      (cli.bench)
+ddserve --version           `ddserve <version>`
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import logging
 import sys
 
@@ -32,10 +34,26 @@ COMMANDS = {
 }
 
 
+def version() -> str:
+    """The installed distribution's version (what `pip show ddserve` says)."""
+    try:
+        return importlib.metadata.version("ddserve")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown (not installed)"
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with one-line errors (no usage block): `ddserve engine: error: argument
+    --port: 99999 is not a port: choose 1-65535 (see ddserve engine --help)`, exit 2.
+    Subcommand parsers are of this class too."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="ddserve", description="DDTree speculative decoding server"
-    )
+    parser = Parser(prog="ddserve", description="DDTree speculative decoding server")
+    parser.add_argument("--version", action="version", version=f"ddserve {version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     engine.add_parsers(sub)
     serve.add_parsers(sub)

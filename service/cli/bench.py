@@ -15,6 +15,7 @@ import sys
 import time
 from pathlib import Path
 
+from ddserve.cli.client import client_api_key, get_json
 from ddserve.deploy import DEFAULT_CONFIG
 from ddserve.errors import ConfigError
 
@@ -26,7 +27,11 @@ def add_parsers(sub) -> None:
         "bench",
         help="closed-loop load test of an OpenAI-compatible endpoint (tok/s, TTFT, ITL, tau)",
     )
-    b.add_argument("--url", default="http://127.0.0.1:30000", help="endpoint base URL")
+    b.add_argument(
+        "--url",
+        default="http://127.0.0.1:30000",
+        help="endpoint base URL (the API key, if it needs one, from env DDSERVE_API_KEY)",
+    )
     b.add_argument("--model", default=None, help="model id (default: the first of /v1/models)")
     b.add_argument(
         "--prompts",
@@ -141,6 +146,7 @@ def measure(a, model: str, prompts: list[str], levels: list[int]) -> list[dict]:
                 not a.no_ignore_eos,
                 a.timeout,
                 on_done=bar.update if bar else None,
+                headers=client_api_key(),
             )
         )
         if bar:
@@ -244,14 +250,14 @@ def run_sweep(a, model, prompts, out: Path) -> dict:
 
 
 def dispatch(a) -> int:
-    from ddserve.bench.load import discover_model
-
     levels = parse_levels(a.concurrency)
     if a.requests < 1 or a.warmup < 0 or a.max_tokens < 1:
         raise ConfigError("--requests and --max-tokens must be >= 1, --warmup >= 0")
     if a.sweep:
         parse_sweep(a.sweep)  # bad input fails before any load is sent
-    model = a.model or discover_model(a.url)
+    # before any load: an unreachable server or a refused key is one line (and exit code)
+    models = get_json(a.url.rstrip("/") + "/v1/models", headers=client_api_key())
+    model = a.model or models["data"][0]["id"]
     prompts = load_prompts(a.prompts)
     out = Path(a.out or f"bench/results/bench-{time.strftime('%Y%m%d-%H%M%S')}")
     out.mkdir(parents=True, exist_ok=True)

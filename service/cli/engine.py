@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import argparse
+import errno
+import socket
 import sys
 
 from ddserve.api.limits import ServerLimits
+from ddserve.cli.client import client_api_key, get_json, post_json
+from ddserve.config import api_key
 from ddserve.config.admin_token import DEFAULT_ENV, read_admin_token
 from ddserve.config.deploy import load_config
 from ddserve.config.engine import EngineConfig
 from ddserve.config.flags import ENGINE_FIELDS, encode_value, engine_config_from
-from ddserve.errors import ConfigError, EngineUnavailable, error_from_body
+from ddserve.errors import ConfigError
 
 METAVAR = {"int": "N", "float": "X", "str": "TEXT", "list": "JSON|A,B", "object": "JSON"}
 
@@ -30,13 +34,57 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
             g.add_argument(s.flag, action=argparse.BooleanOptionalAction, default=None, help=help_)
         else:
             metavar = "{" + ",".join(s.choices) + "}" if s.choices else METAVAR[s.kind]
-            g.add_argument(s.flag, default=None, metavar=metavar, help=help_)
+            g.add_argument(
+                s.flag, *s.aliases, dest=s.dest, default=None, metavar=metavar, help=help_
+            )
+
+
+def port_number(text: str) -> int:
+    """An argparse type: a TCP port a server can listen on (1-65535)."""
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
+    if not 1 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{port} is not a port: choose 1-65535")
+    return port
+
+
+def listen_socket(host: str, port: int) -> socket.socket:
+    """A socket bound to host:port and listening, before anything slow happens: a busy port
+    is one line at start-up, not a failure after the weights load. (Connections that arrive
+    while the model loads wait in the backlog and are answered once it serves.)"""
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
+    except socket.gaierror as exc:
+        raise ConfigError(f"--host {host}: cannot resolve it ({exc.strerror})") from exc
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: TIME_WAIT is fine
+        sock.bind(addr)
+        sock.listen(2048)
+    except OSError as exc:
+        sock.close()
+        why = {
+            errno.EADDRINUSE: "the port is in use (another server there? choose another --port)",
+            errno.EACCES: "permission denied (ports below 1024 need privileges)",
+            errno.EADDRNOTAVAIL: "this machine has no such address (--host)",
+        }.get(exc.errno, exc.strerror)
+        raise ConfigError(f"cannot listen on {host}:{port}: {why}") from exc
+    return sock
 
 
 def add_parsers(sub) -> None:
     p = sub.add_parser("engine", help="run one builtin DDTree engine server (FastAPI + uvicorn)")
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=30000)
+    p.add_argument(
+        "--port",
+        type=port_number,
+        default=30000,
+        help="port to listen on, 1-65535; bound before the model loads (default 30000)",
+    )
     p.add_argument(
         "--config",
         default=None,
@@ -68,10 +116,18 @@ def add_parsers(sub) -> None:
         default=limits.max_requests,
         help=f"generation requests in flight (running + waiting) at most; more get 429 with Retry-After (default {limits.max_requests}; 0 = no limit)",
     )
+    p.add_argument(
+        "--api-key-file",
+        default=None,
+        metavar="PATH",
+        help=f"file holding the key /v1/* and /generate require as `Authorization: Bearer` (else env {api_key.DEFAULT_ENV} or {api_key.DEFAULT_ENV}_FILE; unset = no key; --api-key VALUE is refused: argv is public)",
+    )
     p.add_argument("--admin-token", default=None, help=argparse.SUPPRESS)  # refused: see below
+    p.add_argument("--api-key", default=None, help=argparse.SUPPRESS)  # refused likewise
     p.add_argument("--log-level", default="info")
     c = sub.add_parser(
-        "chat", help="send one chat message to a running server and print the answer"
+        "chat",
+        help=f"send one chat message to a running server and print the answer (the key from env {api_key.DEFAULT_ENV})",
     )
     c.add_argument("message")
     c.add_argument("--url", default="http://127.0.0.1:30000")
@@ -95,8 +151,17 @@ def admin_token_of(a: argparse.Namespace) -> str | None:
     return read_admin_token(var, file=a.admin_token_file)
 
 
+def api_key_of(a: argparse.Namespace) -> str | None:
+    """The key the inference API requires: ddserve.config.api_key's rule (never argv)."""
+    if a.api_key is not None:
+        raise ConfigError(api_key.argv_refused())
+    var = load_config(a.config).api_key_env if a.config else api_key.DEFAULT_ENV
+    return api_key.read_api_key(var, file=a.api_key_file)
+
+
 def run_engine(a: argparse.Namespace) -> None:
     admin_token = admin_token_of(a)  # bad input stops here, before torch is imported
+    key = api_key_of(a)
     config = engine_config_of(a)
     if config.kind != "builtin":
         raise ConfigError(
@@ -106,6 +171,8 @@ def run_engine(a: argparse.Namespace) -> None:
         raise ConfigError(
             "--max-body-bytes must be >= 1, --request-timeout and --max-requests >= 0 (0 = none)"
         )
+
+    sock = listen_socket(a.host, a.port)  # a busy port fails here, before the weights load
 
     import uvicorn
 
@@ -119,41 +186,32 @@ def run_engine(a: argparse.Namespace) -> None:
         max_requests=a.max_requests or None,
     )
     runner = EngineRunner(config)
-    runner.start()
-    app = create_app(LocalBackend(runner), admin_token=admin_token, limits=limits)
-    print(
-        f"ddserve engine: {config.model_id} on http://{a.host}:{a.port} (fingerprint {runner.fingerprint})",
-        flush=True,
-    )
     try:
-        uvicorn.run(app, host=a.host, port=a.port, log_level=a.log_level, access_log=False)
+        runner.start()
+        app = create_app(LocalBackend(runner), admin_token=admin_token, limits=limits, api_key=key)
+        print(
+            f"ddserve engine: {config.model_id} on http://{a.host}:{a.port} (fingerprint {runner.fingerprint}{', API key required' if key else ''})",
+            flush=True,
+        )
+        server = uvicorn.Server(
+            uvicorn.Config(app, host=a.host, port=a.port, log_level=a.log_level, access_log=False)
+        )
+        server.run(sockets=[sock])
     finally:
         runner.shutdown()
+        sock.close()
 
 
 def run_chat(a: argparse.Namespace) -> None:
-    import httpx
-
     base = a.url.rstrip("/")
-    try:
-        if a.model:
-            model = a.model
-        else:
-            r = httpx.get(f"{base}/v1/models", timeout=10)
-            if r.status_code != 200:
-                raise error_from_body(r.status_code, r.content)
-            model = r.json()["data"][0]["id"]
-        body = {
-            "model": model,
-            "messages": [{"role": "user", "content": a.message}],
-            "max_tokens": a.max_tokens,
-        }
-        r = httpx.post(f"{base}/v1/chat/completions", json=body, timeout=600)
-    except httpx.HTTPError as exc:
-        raise EngineUnavailable(f"no server answers at {base}: {type(exc).__name__}") from exc
-    if r.status_code != 200:
-        raise error_from_body(r.status_code, r.content)
-    data = r.json()
+    headers = client_api_key()
+    model = a.model or get_json(f"{base}/v1/models", headers=headers)["data"][0]["id"]
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": a.message}],
+        "max_tokens": a.max_tokens,
+    }
+    data = post_json(f"{base}/v1/chat/completions", body, headers=headers, timeout=600)
     print(data["choices"][0]["message"]["content"])
     dd, u = data.get("ddtree", {}), data["usage"]
     print(

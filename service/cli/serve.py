@@ -7,8 +7,10 @@ import json
 import sys
 import time
 
+from ddserve.cli.client import request
+from ddserve.config import api_key
 from ddserve.deploy import DEFAULT_CONFIG
-from ddserve.errors import ConfigError, EngineUnavailable
+from ddserve.errors import ConfigError, DDServeError, EngineUnavailable
 from ddserve.serve.cluster import connect, stop_started_head
 from ddserve.serve.registry import ReplicaState, replica_view
 
@@ -42,12 +44,11 @@ def add_parsers(sub) -> None:
 
 
 def run_up(a: argparse.Namespace) -> None:
-    import httpx
-
     from ddserve.config.deploy import load_config
 
     cfg = load_config(a.config)
     admin_token = cfg.admin_token  # an empty or unreadable token stops here, before deploying
+    key = cfg.api_key  # likewise the API key
     connect(a.address, start=True, num_cpus=a.num_cpus)  # before anything imports ray
     from ray import serve
 
@@ -67,12 +68,21 @@ def run_up(a: argparse.Namespace) -> None:
         "messages": [{"role": "user", "content": "Say hello."}],
         "max_tokens": 8,
     }
-    r = httpx.post(url + "/v1/chat/completions", json=body, timeout=cfg.health.timeout_s)
-    if r.status_code != 200 or not r.json()["choices"][0]["message"]["content"]:
-        raise EngineUnavailable(
-            f"deployed, but a real generation failed: HTTP {r.status_code} {r.text[:200]}"
+    try:
+        r = request(
+            "POST",
+            url + "/v1/chat/completions",
+            json=body,
+            headers=api_key.bearer(key),
+            timeout=cfg.health.timeout_s,
         )
-    data = r.json()
+        data = r.json()
+    except (DDServeError, ValueError) as exc:
+        raise EngineUnavailable(
+            f"deployed, but a real generation failed: {getattr(exc, 'message', exc)}"
+        ) from exc
+    if not data["choices"][0]["message"]["content"]:
+        raise EngineUnavailable("deployed, but a real generation returned no text")
     from ddserve.reconfig.ray_history import RayHistory
     from ddserve.reconfig.ray_target import RayTarget, token_digest
 
@@ -89,6 +99,8 @@ def run_up(a: argparse.Namespace) -> None:
     print(
         f"  answered: {data['choices'][0]['message']['content']!r} (replica {r.headers.get('x-ddserve-replica')})"
     )
+    if key:
+        print(f"  the API needs the key in {cfg.api_key_env} (Authorization: Bearer)")
 
 
 def run_status(a: argparse.Namespace) -> int:

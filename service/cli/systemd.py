@@ -7,9 +7,11 @@ import shutil
 import subprocess
 from pathlib import Path
 
-import httpx
-
-from ddserve.errors import ConfigError, SupervisorError
+from ddserve.cli.client import client_api_key, post_json
+from ddserve.cli.engine import port_number
+from ddserve.config import api_key
+from ddserve.config.envfile import read_env_file
+from ddserve.errors import ConfigError, DDServeError, SupervisorError
 from ddserve.systemd.units import UnitOptions, render, write_tree
 
 UNIT_DIR = "etc/systemd/system"
@@ -23,7 +25,7 @@ def add_parsers(sub, default_config: str) -> None:
     common.add_argument(
         "--engine-name", default="default", help="instance NAME of ddserve-engine@NAME"
     )
-    common.add_argument("--engine-port", type=int, default=30000)
+    common.add_argument("--engine-port", type=port_number, default=30000)
     common.add_argument(
         "--root", default="/", help="install under this root (for images and tests)"
     )
@@ -58,6 +60,19 @@ def add_parsers(sub, default_config: str) -> None:
     )
     lg = ss.add_parser("logs", parents=[common], help="the engine unit's journal")
     lg.add_argument("-n", type=int, default=50)
+
+
+def _engine_api_key(env_file: Path) -> dict[str, str]:
+    """The key for the engine's API: this shell's DDSERVE_API_KEY, else the one its
+    EnvironmentFile gives the engine (readable by root)."""
+    headers = client_api_key()
+    if headers:
+        return headers
+    try:
+        environ = read_env_file(env_file)
+    except OSError:
+        return {}
+    return api_key.bearer(api_key.read_api_key(environ=environ))
 
 
 def _systemctl(*args: str) -> subprocess.CompletedProcess:
@@ -132,18 +147,17 @@ def dispatch(a) -> int:
         state = _systemctl("is-active", unit).stdout.strip() or "unknown"
         url = f"http://127.0.0.1:{a.engine_port}"
         try:
-            r = httpx.post(
+            body = post_json(
                 url + "/generate",
-                json={"text": "Hello", "sampling_params": {"max_new_tokens": 2}},
+                {"text": "Hello", "sampling_params": {"max_new_tokens": 2}},
+                headers=_engine_api_key(
+                    Path(a.root) / "etc/ddserve" / f"engine-{a.engine_name}.env"
+                ),
                 timeout=120,
             )
-            ready = (
-                f"ready (real generation ok, fingerprint {r.json()['system_fingerprint']})"
-                if r.status_code == 200
-                else f"NOT ready (HTTP {r.status_code})"
-            )
-        except httpx.HTTPError as exc:
-            ready = f"NOT ready ({type(exc).__name__})"
+            ready = f"ready (real generation ok, fingerprint {body.get('system_fingerprint')})"
+        except DDServeError as exc:
+            ready = f"NOT ready ({exc.message})"
         print(f"{unit}: {state}; {ready}")
         return 0 if state == "active" and ready.startswith("ready") else 1
     if cmd == "logs":

@@ -1,4 +1,5 @@
-"""The admin token: one rule for `ddserve engine`, `ddserve up` and `ddserve reconfig`.
+"""The admin token: one rule for `ddserve engine`, `ddserve up` and `ddserve reconfig`
+(`read_secret` is that rule; the API key, ddserve.config.api_key, follows it too).
 
 The token guards live changes (`POST /admin/params`, `ddserve reconfig`). It is read from the
 variable a deployment names in `admin_token_env` (default DDSERVE_ADMIN_TOKEN), or from the
@@ -25,15 +26,28 @@ def read_admin_token(
     file: str | Path | None = None,
     environ: Mapping[str, str] | None = None,
 ) -> str | None:
-    """The token from `file`, else `$var`, else the file named by `$var_FILE`; None when none
-    is set (no protection). ConfigError for a set-but-empty token, an unreadable file, both
-    variables set, or whitespace/control characters in the token."""
+    """The admin token (`read_secret`'s rule)."""
+    return read_secret(var, file=file, environ=environ)
+
+
+def read_secret(
+    var: str,
+    *,
+    file: str | Path | None = None,
+    environ: Mapping[str, str] | None = None,
+    what: str = "admin token",
+    file_flag: str = "--admin-token-file",
+) -> str | None:
+    """The secret from `file`, else `$var`, else the file named by `$var_FILE`; None when none
+    is set (no protection). ConfigError for a set-but-empty secret, an unreadable file, both
+    variables set, or whitespace/control characters in it. `what` and `file_flag` name the
+    secret and its file flag in the errors."""
     environ = os.environ if environ is None else environ
     file_var = var + "_FILE"
     if file is None and var in environ and file_var in environ:
         raise ConfigError(f"both {var} and {file_var} are set; set one of them")
     if file is not None:
-        path, source = str(file), "--admin-token-file"
+        path, source = str(file), file_flag
     elif var in environ:
         path, source = None, var
     elif file_var in environ:
@@ -47,14 +61,12 @@ def read_admin_token(
             token = Path(path).read_text().strip()
         except OSError as exc:
             raise ConfigError(
-                f"{source}={path}: cannot read the admin token file ({exc.strerror})"
+                f"{source}={path}: cannot read the {what} file ({exc.strerror})"
             ) from exc
     if not token.strip():
         raise ConfigError(
-            f"{source} is set but the admin token is empty; set a token (e.g. `openssl rand -hex 32`) or unset {source} to run without one"
+            f"{source} is set but the {what} is empty; set one (e.g. `openssl rand -hex 32`) or unset {source} to run without one"
         )
     if any(c.isspace() or ord(c) < 0x20 or ord(c) == 0x7F for c in token):
-        raise ConfigError(
-            f"{source}: the admin token must not contain whitespace or control characters"
-        )
+        raise ConfigError(f"{source}: the {what} must not contain whitespace or control characters")
     return token

@@ -5,6 +5,7 @@
     replicas: 2                   # or {min: 1, max: 4, target_ongoing_requests: 4}
     http: {host: 127.0.0.1, port: 8000}
     admin_token_env: DDSERVE_ADMIN_TOKEN   # or DDSERVE_ADMIN_TOKEN_FILE; never in this file
+    api_key_env: DDSERVE_API_KEY           # Bearer key of /v1/* and /generate; likewise
     health: {period_s: 10, timeout_s: 120, engine_start_timeout_s: 900}
 
 `load_config(path)` validates once and returns a frozen model; any error is one line that
@@ -18,6 +19,7 @@ from pathlib import Path
 import yaml
 from pydantic import Field, model_validator
 
+from ddserve.config import api_key
 from ddserve.config.admin_token import DEFAULT_ENV, read_admin_token
 from ddserve.config.engine import EngineConfig, _Frozen, validate
 from ddserve.errors import ConfigError
@@ -71,6 +73,11 @@ class ServeConfig(_Frozen):
         pattern=r"^[A-Za-z_][A-Za-z0-9_]*$",
         description="Environment variable holding the admin token (or `<VAR>_FILE`: a file holding it).",
     )
+    api_key_env: str = Field(
+        api_key.DEFAULT_ENV,
+        pattern=r"^[A-Za-z_][A-Za-z0-9_]*$",
+        description="Environment variable holding the API key that /v1/* and /generate require as `Authorization: Bearer` (or `<VAR>_FILE`: a file holding it); unset = no key.",
+    )
     health: HealthConfig = Field(default_factory=HealthConfig)
     max_ongoing_requests: int = Field(
         64, ge=1, description="Requests a replica accepts at once before Serve queues them."
@@ -103,6 +110,11 @@ class ServeConfig(_Frozen):
     def admin_token(self) -> str | None:
         """The token from `admin_token_env` (ddserve.config.admin_token's one rule)."""
         return read_admin_token(self.admin_token_env)
+
+    @property
+    def api_key(self) -> str | None:
+        """The API key from `api_key_env` (the same rule as the admin token)."""
+        return api_key.read_api_key(self.api_key_env)
 
 
 def load_config(path: str | Path) -> ServeConfig:

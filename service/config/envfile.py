@@ -21,7 +21,7 @@ import re
 from pathlib import Path
 
 from ddserve.config.engine import EngineConfig
-from ddserve.config.flags import ENGINE_FIELDS, config_environ
+from ddserve.config.flags import ALIAS_VARS, ENGINE_FIELDS, config_environ
 from ddserve.errors import ConfigError
 
 _BARE = re.compile(r"[A-Za-z0-9_.,:/@%+=-]*")
@@ -116,7 +116,9 @@ def read_env_file(path: str | Path) -> dict[str, str]:
 
 def write_env_file(path: str | Path, cfg: EngineConfig, note: str = "") -> None:
     """Rewrite the config variables of the file at `path` (atomically; its mode kept, 0600
-    for a new file): lines of other variables (DDSERVE_HOST, DDSERVE_ADMIN_TOKEN, ...) stay."""
+    for a new file): lines of other variables (DDSERVE_HOST, DDSERVE_ADMIN_TOKEN, ...) stay;
+    lines of a flag alias's variable (DDSERVE_SERVED_NAME) go, their value now in the
+    field's own variable."""
     path = Path(path)
     keep: list[str] = []
     mode = 0o600
@@ -126,7 +128,7 @@ def write_env_file(path: str | Path, cfg: EngineConfig, note: str = "") -> None:
             s = line.lstrip()
             if s.startswith("# written by ddserve"):
                 continue
-            if s.partition("=")[0].strip() not in CONFIG_VARS:
+            if s.partition("=")[0].strip() not in CONFIG_VARS | ALIAS_VARS:
                 keep.append(line)
     text = env_file_text(cfg, note, keep)
     tmp = path.with_name(path.name + ".tmp")

@@ -11,10 +11,14 @@ new field reaches every path without a hand-kept table:
   drafter.ngram_max   --ngram-max       DDSERVE_NGRAM_MAX     int
   restart_fields      --restart-fields  DDSERVE_RESTART_FIELDS  JSON list (or a,b,c)
   sglang              --sglang          DDSERVE_SGLANG        JSON object of the section
+  served_name         --served-model-name (alias --served-name)
+                                        DDSERVE_SERVED_MODEL_NAME (alias DDSERVE_SERVED_NAME)
 
 * A required sub-model (`drafter`, `params`) is flattened: its fields are flags of their own,
   named after the field. A field may name its flag in `json_schema_extra={"flag": ...}`
-  (`drafter.kind` is `--drafter`, `drafter.layers` is `--draft-layers`).
+  (`drafter.kind` is `--drafter`, `drafter.layers` is `--draft-layers`) and older names
+  in `{"aliases": [...]}`: each alias is a flag too, and its variable is read after the
+  flag's own (an EnvironmentFile written before a rename keeps working).
 * An optional sub-model (`sglang`), a list or a dict takes one JSON value; a sub-model's JSON
   is merged over the config file's section.
 * The variable of `--top-p` is `DDSERVE_TOP_P`; an empty variable counts as unset.
@@ -42,6 +46,8 @@ RESERVED_VARS = {
     "DDSERVE_PORT",
     "DDSERVE_ADMIN_TOKEN",
     "DDSERVE_ADMIN_TOKEN_FILE",
+    "DDSERVE_API_KEY",
+    "DDSERVE_API_KEY_FILE",
     "DDSERVE_THREADS",
     "DDSERVE_CACHE",
     "DDSERVE_STATE_DIR",
@@ -57,6 +63,8 @@ RESERVED_FLAGS = {
     "--log-level",
     "--admin-token",
     "--admin-token-file",
+    "--api-key",
+    "--api-key-file",
 }
 
 
@@ -73,10 +81,16 @@ class FieldFlag:
     default: Any  # in model_dump(mode="json") form
     help: str
     merge: bool = False  # an optional sub-model: its JSON is merged over the file's section
+    aliases: tuple[str, ...] = ()  # older flag names: "--served-name"
 
     @property
     def dest(self) -> str:
         return self.flag[2:].replace("-", "_")
+
+    @property
+    def alias_envs(self) -> tuple[str, ...]:
+        """Variables of the aliases, read when the flag's own variable is unset."""
+        return tuple(env_name(a) for a in self.aliases)
 
 
 def env_name(flag: str) -> str:
@@ -138,6 +152,7 @@ def _derive(model: type[BaseModel], prefix: str = "") -> list[FieldFlag]:
                 default=default,
                 help=field.description or "",
                 merge=kind == "object" and isinstance(tp, type) and issubclass(tp, BaseModel),
+                aliases=tuple(extra.get("aliases", ())),
             )
         )
     return out
@@ -146,7 +161,7 @@ def _derive(model: type[BaseModel], prefix: str = "") -> list[FieldFlag]:
 def _check_unique(specs: list[FieldFlag]) -> list[FieldFlag]:
     seen: dict[str, str] = {}
     for s in specs:
-        for name in (s.flag, s.env):
+        for name in (s.flag, s.env, *s.aliases, *s.alias_envs):
             if name in seen or name in RESERVED_FLAGS | RESERVED_VARS:
                 raise ConfigError(
                     f"{s.path} and {seen.get(name, 'ddserve')} both derive {name}; "
@@ -160,6 +175,8 @@ def _check_unique(specs: list[FieldFlag]) -> list[FieldFlag]:
 ENGINE_FIELDS: tuple[FieldFlag, ...] = tuple(_check_unique(_derive(EngineConfig)))
 BY_FLAG = {s.flag: s for s in ENGINE_FIELDS}
 BY_PATH = {s.path: s for s in ENGINE_FIELDS}
+# variables of flag aliases: read by `ddserve engine`, never written, dropped on a rewrite
+ALIAS_VARS = frozenset(v for s in ENGINE_FIELDS for v in s.alias_envs)
 
 
 def parse_value(spec: FieldFlag, raw: object, source: str) -> object:
@@ -224,8 +241,10 @@ def engine_config_from(
     origin: dict[str, str] = {}
     for spec in ENGINE_FIELDS:
         raw, source = flag_values.get(spec.flag), spec.flag
-        if raw is None:
-            raw, source = environ.get(spec.env), spec.env
+        for env in (spec.env, *spec.alias_envs):
+            if raw is not None:
+                break
+            raw, source = environ.get(env), env
             if raw is not None and not raw.strip():
                 raw = None  # DDSERVE_MAX_CONTEXT= : unset
         if raw is None:

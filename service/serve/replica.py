@@ -140,7 +140,11 @@ class EngineReplica:
 
     def __serve_build_asgi_app__(self):
         app = create_app(
-            self.backend, admin_token=self.cfg.admin_token, title="ddserve", admin_enabled=False
+            self.backend,
+            admin_token=self.cfg.admin_token,
+            title="ddserve",
+            admin_enabled=False,
+            api_key=self.cfg.api_key,
         )
         replica = self.replica_id
 

@@ -137,10 +137,26 @@ def test_env_file_round_trips_the_field(path):
 
 def test_today_flag_and_variable_names_keep_working():
     legacy = "--model --served-name --drafter --dflash-path --draft-model --draft-layers --depth --budget --topk --window --temperature --top-p --top-k --max-context --device --max-batch --dtype --graphs --spec-max-batch --compile"
-    flags = {s.flag for s in ENGINE_FIELDS}
+    flags = {f for s in ENGINE_FIELDS for f in (s.flag, *s.aliases)}
     assert set(legacy.split()) <= flags
     assert BY_PATH["drafter.kind"].env == "DDSERVE_DRAFTER"
     assert BY_PATH["drafter.ngram_max"].flag == "--ngram-max"
+    assert BY_PATH["served_name"].flag == "--served-model-name"  # vLLM's and SGLang's name
+
+
+def test_an_env_file_written_before_a_rename_keeps_working(tmp_path):
+    """DDSERVE_SERVED_NAME (the variable of the old flag --served-name) is still read, loses
+    to the new DDSERVE_SERVED_MODEL_NAME, and a rewrite moves its value to the new one."""
+    assert engine_config_from({}, environ={"DDSERVE_SERVED_NAME": "old"}).served_name == "old"
+    both = {"DDSERVE_SERVED_NAME": "old", "DDSERVE_SERVED_MODEL_NAME": "new"}
+    assert engine_config_from({}, environ=both).served_name == "new"
+    path = tmp_path / "engine.env"
+    path.write_text("DDSERVE_SERVED_NAME=old\nDDSERVE_HOST=0.0.0.0\n")
+    cfg = engine_config_from({}, environ=read_env_file(path))
+    write_env_file(path, cfg)
+    env = read_env_file(path)
+    assert env["DDSERVE_SERVED_MODEL_NAME"] == "old" and "DDSERVE_SERVED_NAME" not in env
+    assert env["DDSERVE_HOST"] == "0.0.0.0"
 
 
 def test_help_shows_each_field_with_its_description_and_variable():
