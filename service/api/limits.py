@@ -188,7 +188,7 @@ async def guarded(request, work: Awaitable[T], deadline: float | None) -> T:
             while not task.done():
                 await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
                 if not task.done() and await request.is_disconnected():
-                    raise ClientDisconnected()
+                    raise ClientDisconnected("the client left before the answer")
     except TimeoutError as exc:
         raise _timeout_error(started) from exc
     finally:
