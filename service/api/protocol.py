@@ -18,13 +18,44 @@ SEED = f"Seed of the request's sampler, in [{MIN_SEED}, {MAX_SEED}]; none: a fre
 
 
 class _Body(BaseModel):
-    # unknown OpenAI fields (presence_penalty, user, ...) are accepted and ignored
+    # unknown fields that cannot change the answer (user, metadata, store, ...) are accepted
+    # and ignored; the OpenAI parameters that would change it and the engine does not do are
+    # refused by name (Sampling, REFUSED)
     model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
 
 def _temperature_floor(v: float | None) -> float | None:
     if v is not None and 0.0 < v < MIN_TEMPERATURE:
         raise ValueError(f"must be 0 (greedy) or at least {MIN_TEMPERATURE:g}")
+    return v
+
+
+# OpenAI parameters the engine does not honour: refused with a 400 that names them unless the
+# value is one that changes nothing (never silently ignored). name -> (no-op values, why)
+REFUSED: dict[str, tuple[tuple, str]] = {
+    "logprobs": ((None, False, 0), "log-probabilities are not returned yet"),
+    "top_logprobs": ((None, 0), "log-probabilities are not returned yet"),
+    "logit_bias": ((None, {}), "logit_bias is not applied yet"),
+    "frequency_penalty": ((None, 0, 0.0), "penalties would change the target distribution"),
+    "presence_penalty": ((None, 0, 0.0), "penalties would change the target distribution"),
+    "repetition_penalty": ((None, 1, 1.0), "penalties would change the target distribution"),
+    "tools": ((None, []), "tool calling needs a model with a tool template"),
+    "tool_choice": ((None, "none"), "tool calling needs a model with a tool template"),
+    "functions": ((None, []), "tool calling needs a model with a tool template"),
+    "function_call": ((None, "none"), "tool calling needs a model with a tool template"),
+    "response_format": (
+        (None, {"type": "text"}),
+        "structured output (json_object, json_schema) is not enforced",
+    ),
+    "best_of": ((None, 1), "one sequence per request"),
+    "suffix": ((None, ""), "insertion (suffix) is not supported"),
+}
+
+
+def _refuse_unsupported(v, info):
+    noop, why = REFUSED[info.field_name]
+    if v not in noop:
+        raise ValueError(f"not supported: {why}")
     return v
 
 
@@ -43,8 +74,22 @@ class Sampling(_Body):
     ignore_eos: bool = Field(False, description="Extension: keep generating past EOS.")
     stream: bool = False
     stream_options: dict | None = None
+    logprobs: bool | int | None = Field(None, description="Refused unless false/0 (not yet).")
+    top_logprobs: int | None = Field(None, description="Refused unless 0 (not yet).")
+    logit_bias: dict | None = Field(None, description="Refused unless empty (not yet).")
+    frequency_penalty: float | None = Field(None, description="Refused unless 0.")
+    presence_penalty: float | None = Field(None, description="Refused unless 0.")
+    repetition_penalty: float | None = Field(None, description="Refused unless 1.")
+    tools: list | None = Field(None, description="Refused unless empty.")
+    tool_choice: str | dict | None = Field(None, description="Refused unless 'none'.")
+    functions: list | None = Field(None, description="Refused unless empty.")
+    function_call: str | dict | None = Field(None, description="Refused unless 'none'.")
+    response_format: dict | None = Field(None, description="Refused unless {'type': 'text'}.")
+    best_of: int | None = Field(None, description="Refused unless 1.")
+    suffix: str | None = Field(None, description="Refused unless empty.")
 
     _temperature = field_validator("temperature")(_temperature_floor)
+    _refused = field_validator(*REFUSED)(_refuse_unsupported)
 
     @property
     def stop_list(self) -> tuple[str, ...]:

@@ -293,3 +293,37 @@ def test_a_huge_prompt_never_stalls_other_clients(engine_server):
     # to 94 s); measured 0.5-0.9 s with probes <= 0.7 s on this 2-core machine at load 8
     assert elapsed < 5.0
     assert probes and max(probes) < 1.5
+
+
+@pytest.mark.parametrize(
+    "param, value",
+    [
+        ("logprobs", True),
+        ("top_logprobs", 3),
+        ("logit_bias", {"42": 5}),
+        ("frequency_penalty", 0.5),
+        ("presence_penalty", 0.5),
+        ("tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
+        ("tool_choice", "required"),
+        ("response_format", {"type": "json_object"}),
+        ("n", 2),
+    ],
+)
+def test_openai_parameters_not_honoured_are_refused_by_name(client, param, value):
+    """Never silently ignored: the official SDK gets a 400 that names the parameter."""
+    with pytest.raises(openai.BadRequestError) as e:
+        chat(client, **{param: value})
+    assert e.value.body["param"] == param and e.value.body["type"] == "invalid_request_error"
+
+
+def test_openai_parameters_at_their_no_op_values_are_accepted(client):
+    r = chat(
+        client,
+        logprobs=False,
+        presence_penalty=0,
+        tool_choice="none",
+        user="u1",
+        response_format={"type": "text"},
+        max_tokens=3,
+    )
+    assert r.choices[0].message.content is not None
