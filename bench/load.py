@@ -18,8 +18,6 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from ddserve.errors import EngineUnavailable
-
 
 @dataclass
 class RequestResult:
@@ -167,12 +165,3 @@ async def closed_loop(send, concurrency: int, requests: int, warmup: int, on_don
         "tau_mean": round(sum(taus) / len(taus), 3) if taus else None,
         "tau_per_request": [round(t, 3) for t in taus],
     }
-
-
-def discover_model(url: str) -> str:
-    try:
-        r = httpx.get(url.rstrip("/") + "/v1/models", timeout=10)
-        r.raise_for_status()
-        return r.json()["data"][0]["id"]
-    except (httpx.HTTPError, ValueError, KeyError, IndexError) as exc:
-        raise EngineUnavailable(f"no OpenAI-compatible endpoint answers at {url}: {exc}") from exc

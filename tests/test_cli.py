@@ -18,7 +18,7 @@ from ddserve.cli.engine import engine_config_of
         (["--topk", "0"], "params.topk=0"),
         (["--top-p", "1.5"], "params.top_p=1.5"),
         (["--drafter", "magic"], "drafter.kind='magic'"),
-        (["--model", "no-such-model"], "unknown model"),
+        (["--model", "no-such-model"], "not a readable model"),
     ],
 )
 def test_bad_engine_arguments_exit_nonzero_with_one_line(args, needle):

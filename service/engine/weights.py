@@ -206,9 +206,9 @@ MODEL_SPECS = (
 def unreadable(field: str, value: object, what: str, cause: object = None) -> ConfigError:
     """One message whatever the cause (missing, unreadable, not a model): an error that reaches
     a remote operator (a reconfig's rollout error) never tells whether a path exists. The cause
-    goes to this process's log, for whoever runs it."""
+    goes to this process's debug log (`--log-level debug`), for whoever runs it."""
     if cause is not None:
-        log.warning("%s=%r: %s", field, value, cause)
+        log.debug("%s=%r: %s", field, value, cause)
     return ConfigError(f"{field}={value!r}: not {what}")
 
 
@@ -288,7 +288,7 @@ def load_model(
     elif Path(spec).is_dir():
         model, tok = load_converted(Path(spec))
     else:
-        raise unreadable("model", spec, f"a readable model; use {MODEL_SPECS}", "no such file")
+        raise unreadable("model", spec, f"a readable model; use {MODEL_SPECS}")
     model = model.to(device=device, dtype=dtype)
     return LoadedModel(model=model, tokenizer=tok if with_tokenizer else None, spec=spec)
 
