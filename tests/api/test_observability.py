@@ -119,7 +119,13 @@ def test_metrics_stats_line_and_access_log_in_process(runner, caplog):
         ) as c:
             assert (await c.post("/v1/completions", json=body)).status_code == 200
             assert (await c.post("/v1/completions", json={**body, "top_p": 7})).status_code == 400
-            return await c.get("/metrics")
+            running = f'ddserve:num_requests_running{{model_name="{MODEL}"}} 0.0'
+            for _ in range(100):  # the worker retires a finished request at its round's end
+                r = await c.get("/metrics")
+                if running in r.text:
+                    break
+                await asyncio.sleep(0.05)
+            return r
 
     with caplog.at_level(logging.INFO):
         r = asyncio.run(go())
