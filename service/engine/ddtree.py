@@ -16,41 +16,16 @@ from __future__ import annotations
 
 import secrets
 import time
-from dataclasses import dataclass, field
 
 import torch
 
 from ddserve.config.engine import LiveParams
 from ddserve.engine.drafters import DraftContext, Drafter
-from ddserve.engine.llama import KVCache, Llama
-from ddserve.engine.sampling import RequestStats, SamplingParams, target_tokens
-from ddserve.engine.tree import Tree, build_tree, tree_mask
+from ddserve.engine.llama import Llama
+from ddserve.engine.sampling import SamplingParams, target_tokens
+from ddserve.engine.sequence import Outcome, Sequence, truncate_at_stop
+from ddserve.engine.tree import Tree, accept, build_tree, tree_mask
 from ddserve.errors import EngineError
-
-# one sequence's result of a round: its new tokens, or the exception that ended it
-Outcome = list[int] | Exception
-
-
-@dataclass
-class Sequence:
-    """Decoding state of one request."""
-
-    prompt: list[int]
-    sampling: SamplingParams
-    cache: KVCache
-    draft_state: object
-    generator: torch.Generator | None
-    tokens: list[int] = field(default_factory=list)  # committed context; tokens[-1] is the root
-    output: list[int] = field(default_factory=list)
-    finish_reason: str | None = None
-    stats: RequestStats = field(default_factory=RequestStats)
-    # target layer outputs of committed tokens the drafter has not seen yet (DFlash)
-    hidden_new: list[torch.Tensor] = field(default_factory=list)
-    tree_hidden: torch.Tensor | None = None  # the last verify's tapped outputs, all nodes
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
 
 
 class DDTreeEngine:
@@ -65,6 +40,7 @@ class DDTreeEngine:
         self.capture: tuple[int, ...] = tuple(getattr(drafter, "capture", ()))
 
     free_slots: int | None = None  # no fixed number of concurrent sequences
+    accept = staticmethod(accept)  # the accept rule (ddserve.engine.tree); a test seam
 
     def release(self, seq: Sequence) -> None:
         """The sequence is done (finished, failed or cancelled); its caches can go."""
@@ -134,43 +110,15 @@ class DDTreeEngine:
                 seq.tree_hidden = h
         return logits
 
-    @staticmethod
-    def accept(tree: Tree, targets: list[int]) -> tuple[list[int], int]:
-        """Sample (or argmax) at every node; walk from the root while the target's token is
-        a child; the first token that is not is the bonus. Each emitted token is the
-        target's own draw given the accepted path, so the output follows the target
-        distribution exactly. Returns (accepted node indices, bonus token)."""
-        path, node = [], 0
-        while True:
-            want = targets[node]
-            child = tree.first_child[node]
-            while child != -1 and tree.tokens[child] != want:
-                child = tree.next_sibling[child]
-            if child == -1:
-                return path, want
-            path.append(child)
-            node = child
-
     def commit(self, seq: Sequence, tree: Tree, path: list[int], bonus: int) -> list[int]:
         seq.cache.commit([0, *path])
         if self.capture:
             seq.hidden_new.append(seq.tree_hidden[[0, *path]])
             seq.tree_hidden = None
         new = [tree.tokens[i] for i in path] + [bonus]
-        new = self._truncate_at_stop(seq, new)
+        new = truncate_at_stop(seq, new, self.eos_token_ids)
         seq.tokens.extend(new)
         seq.output.extend(new)
-        return new
-
-    def _truncate_at_stop(self, seq: Sequence, new: list[int]) -> list[int]:
-        sp = seq.sampling
-        for i, tok in enumerate(new):
-            if (tok in self.eos_token_ids and not sp.ignore_eos) or tok in sp.stop_token_ids:
-                seq.finish_reason = "stop"
-                return new[: i + 1]
-            if len(seq.output) + i + 1 >= sp.max_tokens:
-                seq.finish_reason = "length"
-                return new[: i + 1]
         return new
 
     @torch.inference_mode()

@@ -29,9 +29,10 @@ from dataclasses import dataclass
 import torch
 
 from ddserve.config.engine import EngineConfig, LiveParams
-from ddserve.engine.ddtree import DDTreeEngine, Sequence
+from ddserve.engine.ddtree import DDTreeEngine
 from ddserve.engine.drafters import Drafter, ModelDrafter, NGramDrafter, NoDrafter
 from ddserve.engine.sampling import RequestStats, SamplingParams
+from ddserve.engine.sequence import Sequence
 from ddserve.engine.weights import LoadedModel, load_model
 from ddserve.errors import ConfigError, EngineError, EngineUnavailable, InvalidRequest
 

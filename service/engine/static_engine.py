@@ -22,10 +22,11 @@ import numpy as np
 import torch
 
 from ddserve.config.engine import MAX_TOPK, LiveParams
-from ddserve.engine.ddtree import DDTreeEngine, Outcome, Sequence
+from ddserve.engine.ddtree import DDTreeEngine
 from ddserve.engine.dflash import DFlashDrafter
 from ddserve.engine.llama import Llama
 from ddserve.engine.sampling import SamplingParams, target_tokens
+from ddserve.engine.sequence import Outcome, Sequence, truncate_at_stop
 from ddserve.engine.static import SlotCache, compile_layer_step, layer_step, next_bucket
 from ddserve.engine.static_models import StaticDFlash, StaticTarget, pack_draft, pack_target
 from ddserve.engine.tree import Tree, ancestor_mask, build_tree, build_tree_top
@@ -282,7 +283,7 @@ class StaticEngine(DDTreeEngine):
             if self.sdraft is not None:
                 seq.pending = len(path) + 1
             new = [tree.tokens[i] for i in path] + [bonus]
-            new = self._truncate_at_stop(seq, new)
+            new = truncate_at_stop(seq, new, self.eos_token_ids)
             seq.tokens.extend(new)
             seq.output.extend(new)
             out.append(new)
