@@ -1,4 +1,7 @@
-"""One request's DDTree decoding, one round at a time.
+"""The test oracle: the DDTree algorithm written plainly over growable per-request KV
+caches (`Llama.forward_batch`), one function per step. The engine
+(`ddserve.engine.static_engine.StaticEngine`) must match it token for token: same drafts,
+trees, accept rule, outputs and accept lengths.
 
     prefill  the prompt (all but its last token) into the target's KV cache
     per round:
@@ -16,19 +19,22 @@ from __future__ import annotations
 
 import secrets
 import time
+from dataclasses import dataclass
 
 import torch
 
 from ddserve.config.engine import LiveParams
+from ddserve.engine.dflash import DFlashDrafter
 from ddserve.engine.drafters import DraftContext, Drafter
-from ddserve.engine.llama import Llama
+from ddserve.engine.llama import Llama, linear
 from ddserve.engine.sampling import SamplingParams, target_tokens
 from ddserve.engine.sequence import Outcome, Sequence, truncate_at_stop
+from ddserve.engine.static_engine import StaticEngine
 from ddserve.engine.tree import Tree, accept, build_tree, tree_mask
 from ddserve.errors import EngineError
 
 
-class DDTreeEngine:
+class ReferenceEngine:
     """The algorithm over one target model and one drafter; no threads, no I/O."""
 
     def __init__(self, model: Llama, drafter: Drafter, depth: int, eos_token_ids: tuple[int, ...]):
@@ -39,7 +45,6 @@ class DDTreeEngine:
         # target layers whose outputs the drafter is conditioned on (kept from verify)
         self.capture: tuple[int, ...] = tuple(getattr(drafter, "capture", ()))
 
-    free_slots: int | None = None  # no fixed number of concurrent sequences
     accept = staticmethod(accept)  # the accept rule (ddserve.engine.tree); a test seam
 
     def release(self, seq: Sequence) -> None:
@@ -121,14 +126,6 @@ class DDTreeEngine:
         seq.output.extend(new)
         return new
 
-    @torch.inference_mode()
-    def step(self, seq: Sequence, params: LiveParams) -> list[int]:
-        """One round of one sequence (see `step_batch`). Returns its new tokens."""
-        out = self.step_batch([seq], params)[0]
-        if isinstance(out, Exception):
-            raise out
-        return out
-
     def accept_one(self, seq: Sequence, tree: Tree, logits: torch.Tensor) -> list[int]:
         """Target tokens, accept and commit for one sequence: its new tokens."""
         # logits: [n+1, V]
@@ -174,13 +171,87 @@ class DDTreeEngine:
             st.accept_lengths.append(len(new))
         return out
 
-    def generate(self, prompt: list[int], sampling: SamplingParams, params: LiveParams) -> Sequence:
-        """Run one request to completion (tests, benchmarks; the server uses `step`)."""
-        seq = self.new_sequence(prompt, sampling)
-        try:
-            self.prefill(seq)
-            while not seq.finished:
-                self.step(seq, params)
-        finally:
-            self.release(seq)
-        return seq
+    # the request loop is the engine's own (one round at a time until finished)
+    step = StaticEngine.step
+    generate = StaticEngine.generate
+
+
+def one_engine(
+    model: Llama, drafter: Drafter, depth: int, eos_token_ids=(), engine=StaticEngine, **kw
+) -> StaticEngine:
+    """The engine under test (or a subclass), on the model's device, with room for the
+    tests' batches."""
+    kw.setdefault("slots", 8)
+    kw.setdefault("max_context", 512)
+    kw.setdefault("graphs", False)
+    return engine(model, drafter, depth, tuple(eos_token_ids), **kw)
+
+
+@dataclass
+class _DFlashState:
+    keys: list[torch.Tensor] | None = None  # per layer [1, kvh, n, hd], positions start..start+n
+    values: list[torch.Tensor] | None = None
+    start: int = 0  # absolute position of the first cached context entry
+    length: int = 0
+
+
+class ReferenceDFlash(DFlashDrafter):
+    """The DFlash drafter written plainly: one request at a time over growable per-layer
+    context keys/values (the engine's `StaticDFlash` must draft the same)."""
+
+    def new_state(self) -> _DFlashState:
+        return _DFlashState()
+
+    @torch.inference_mode()
+    def draft(self, state: _DFlashState, ctx: DraftContext, depth: int) -> torch.Tensor:
+        dev, d = self.target.device, self.net
+        root_pos = len(ctx.tokens) - 1
+        if ctx.target_hidden is not None and ctx.target_hidden.shape[0]:
+            self._extend(state, ctx.target_hidden)
+        if state.start + state.length != root_pos:
+            raise EngineError(
+                f"DFlash context covers {state.start + state.length} tokens, expected {root_pos}"
+            )
+        self._evict(state, max(0, state.length - ctx.window))
+        depth = min(depth, self.block_size)
+        emb = self.target.embed_tokens(torch.tensor([ctx.tokens[-1]], device=dev))
+        block = torch.cat([emb, d.mask_embedding.to(emb.dtype).expand(depth, -1)])[None]
+        pos = torch.arange(root_pos, root_pos + depth + 1, device=dev)[None]
+        kv = list(zip(state.keys, state.values, strict=True)) if state.keys else None
+        if kv is None:  # empty context: zero-length keys
+            c = d.c
+            empty = block.new_zeros(1, c.num_kv_heads, 0, c.head_dim)
+            kv = [(empty, empty)] * c.num_layers
+        hidden = d.blocks(block, pos, kv)[0, 1:]  # [depth, H]
+        logp = torch.log_softmax(linear(hidden, self.head).float(), dim=-1).cpu()
+        if self.vocab is None:
+            return logp
+        out = torch.full((depth, self.target.cfg.vocab_size), float("-inf"))
+        out[:, self.vocab] = logp
+        return out
+
+    def _extend(self, state: _DFlashState, taps: torch.Tensor) -> None:
+        n = taps.shape[0]
+        first = state.start + state.length
+        pos = torch.arange(first, first + n, device=taps.device)[None]
+        new = self.net.context_kv(self.net.project(taps.to(self.target.dtype))[None], pos)
+        if state.keys is None:
+            state.keys = [k for k, _ in new]
+            state.values = [v for _, v in new]
+        else:
+            state.keys = [
+                torch.cat([a, k], dim=2) for a, (k, _) in zip(state.keys, new, strict=True)
+            ]
+            state.values = [
+                torch.cat([a, v], dim=2) for a, (_, v) in zip(state.values, new, strict=True)
+            ]
+        state.length += n
+
+    @staticmethod
+    def _evict(state: _DFlashState, n: int) -> None:
+        if n <= 0:
+            return
+        state.keys = [k[:, :, n:] for k in state.keys]
+        state.values = [v[:, :, n:] for v in state.values]
+        state.start += n
+        state.length -= n
