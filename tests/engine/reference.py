@@ -137,13 +137,9 @@ class ReferenceEngine:
 
     @torch.inference_mode()
     def step_batch(self, seqs: list[Sequence], params: LiveParams) -> list[Outcome]:
-        """One round of every sequence: draft and build each tree, verify all trees in one
-        target forward, then accept and commit per sequence.
-
-        Atomic per round: if the shared part (drafts, verify) raises, nothing was committed
-        and the caller may retry. After it, each sequence's outcome is its own: its new
-        tokens, or the exception that ended it (its commit did not happen; the others' did).
-        Per-request stats: its own draft time, and the shared verify's wall time."""
+        """The contract of `StaticEngine.step_batch`: draft and build each tree, verify all
+        trees in one target forward (packed, each under its own mask over its own cache),
+        then accept and commit per sequence."""
         trees, draft_s = [], []
         for seq in seqs:
             t0 = time.perf_counter()
