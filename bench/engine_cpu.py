@@ -2,7 +2,7 @@
 
     python -m ddserve.bench.engine_cpu [--model smollm2-135m] [--max-tokens 96] [--out bench/results]
         [--configs ar,ngram-b4k2,...] [--prompt-set chat|heldout] [--device cpu|cuda]
-        [--dflash DIR] [--name engine_cpu] [--no-server] [--static] [--dtype float32|bfloat16]
+        [--dflash DIR] [--name engine_cpu] [--no-server] [--dtype float32|bfloat16]
 
 Prints a table and writes NAME.json (and NAME.png when matplotlib is present). Greedy runs
 must produce the same tokens for every config (lossless; the table says so per row).
@@ -24,7 +24,6 @@ import torch
 
 from ddserve.bench.prompts import CHAT_PROMPTS, chat_ids
 from ddserve.config.engine import LiveParams
-from ddserve.engine.ddtree import DDTreeEngine
 from ddserve.engine.dflash import BUILTIN, DFlashDrafter, load_dflash, load_draft_vocab
 from ddserve.engine.drafters import ModelDrafter, NGramDrafter, NoDrafter
 from ddserve.engine.sampling import SamplingParams
@@ -85,7 +84,6 @@ def engine_runs(
     temperature: float,
     configs: list[str],
     dflash=None,
-    static: bool = False,
 ) -> list[dict]:
     m, tok = lm.model, lm.tokenizer
     prompts = chat_ids(tok, texts)
@@ -93,21 +91,11 @@ def engine_runs(
     for name in configs:
         kind, budget, topk = REGISTRY[name]
         drafter = make_drafter(kind, m, dflash)
-        if static:  # the static engine: KV pool, CUDA graphs and torch.compile on a GPU
-            gpu = m.device.type == "cuda"
-            eng = StaticEngine(
-                m,
-                drafter,
-                8,
-                m.cfg.eos_token_ids,
-                slots=1,
-                max_context=2048,
-                graphs=gpu,
-                compile=gpu,
-            )
-            eng.warm_up(LiveParams(budget=budget, topk=topk))
-        else:
-            eng = DDTreeEngine(m, drafter, 8, m.cfg.eos_token_ids)
+        gpu = m.device.type == "cuda"  # CUDA graphs and torch.compile on a GPU, as served
+        eng = StaticEngine(
+            m, drafter, 8, m.cfg.eos_token_ids, slots=1, max_context=2048, graphs=gpu, compile=gpu
+        )
+        eng.warm_up(LiveParams(budget=budget, topk=topk))
         eng.generate(
             prompts[0][:8], SamplingParams(max_tokens=4), LiveParams(budget=budget, topk=topk)
         )  # warm-up
@@ -253,7 +241,6 @@ def main() -> None:
     ap.add_argument("--dflash", help="DFlash drafter directory (default: the builtin one)")
     ap.add_argument("--name", default="engine_cpu", help="results file stem")
     ap.add_argument("--no-server", action="store_true", help="skip the cold-start/RSS run")
-    ap.add_argument("--static", action="store_true", help="the static engine (graphs on CUDA)")
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], help="default: bf16 on cuda")
     a = ap.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -275,12 +262,10 @@ def main() -> None:
         "command": "python -m ddserve.bench.engine_cpu " + " ".join(sys.argv[1:]),
     }
     print("greedy (T=0):")
-    result["greedy"] = engine_runs(
-        lm, texts, a.max_tokens, 0.0, a.configs.split(","), a.dflash, a.static
-    )
+    result["greedy"] = engine_runs(lm, texts, a.max_tokens, 0.0, a.configs.split(","), a.dflash)
     print("sampled (T=1):")
     sampled = [c for c in a.sampled_configs.split(",") if c]
-    result["sampled"] = engine_runs(lm, texts, a.max_tokens, 1.0, sampled, a.dflash, a.static)
+    result["sampled"] = engine_runs(lm, texts, a.max_tokens, 1.0, sampled, a.dflash)
     if not a.no_server:
         result["server"] = cold_start(a.model)
     out = Path(a.out)

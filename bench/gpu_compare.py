@@ -30,9 +30,9 @@ import torch
 
 from ddserve.bench.prompts import CHAT_PROMPTS, chat_ids
 from ddserve.config.engine import LiveParams
-from ddserve.engine.ddtree import DDTreeEngine
 from ddserve.engine.drafters import NoDrafter
 from ddserve.engine.sampling import SamplingParams
+from ddserve.engine.static_engine import StaticEngine
 from ddserve.engine.weights import load_model, to_hf
 
 
@@ -127,7 +127,9 @@ def our_step_profile(lm, prompt) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     m = lm.model
-    eng = DDTreeEngine(m, NoDrafter(), 1, m.cfg.eos_token_ids)
+    eng = StaticEngine(
+        m, NoDrafter(), 1, m.cfg.eos_token_ids, slots=1, max_context=2048, graphs=True
+    )
     seq = eng.new_sequence(prompt, SamplingParams(max_tokens=10_000, ignore_eos=True))
     eng.prefill(seq)
     params = LiveParams(budget=0)

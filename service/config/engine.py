@@ -276,7 +276,7 @@ class EngineConfig(_Frozen):
     )
     graphs: Literal["auto", "on", "off"] = Field(
         "auto",
-        description="Static engine: a preallocated KV pool of max_batch slots and fixed-shape forwards, CUDA-graph captured on a GPU. auto = on with CUDA; on = also on CPU (no graphs there); off = the dynamic engine.",
+        description="CUDA graphs: the engine's fixed-shape forwards (KV pool of max_batch slots) captured and replayed on a GPU. auto and on = on with CUDA; off = eager. On CPU the same engine always runs eagerly.",
     )
     spec_max_batch: int | None = Field(
         None,

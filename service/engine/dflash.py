@@ -14,8 +14,9 @@ copied):
            the per-depth distributions the DDTree is built from
 
 Only the drafter's own weights are stored (a few MB): `save_dflash` / `load_dflash`.
-`DFlashDrafter` plugs into the engine's drafter interface and caches each request's context
-keys/values per layer, so a round only projects the newly committed tokens.
+`DFlashDrafter` holds the weights, the target and the draft vocabulary; the engine runs it
+batched over its own KV pool (`ddserve.engine.static_models.StaticDFlash`), writing each
+request's context keys/values once, so a round only projects the newly committed tokens.
 """
 
 from __future__ import annotations
@@ -30,10 +31,9 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from ddserve.engine.drafters import DraftContext
 from ddserve.engine.llama import Block, Llama, LlamaConfig, RMSNorm, Rotary, apply_rope, linear
 from ddserve.engine.weights import unreadable
-from ddserve.errors import ConfigError, EngineError
+from ddserve.errors import ConfigError
 
 BUILTIN_DIR = Path(__file__).parent / "dflash_weights"
 BUILTIN = {"smollm2-135m": BUILTIN_DIR / "smollm2-135m"}
@@ -210,14 +210,6 @@ def load_dflash(directory: Path | str) -> DFlashModel:
     return model.eval()
 
 
-@dataclass
-class _DFlashState:
-    keys: list[torch.Tensor] | None = None  # per layer [1, kvh, n, hd], positions start..start+n
-    values: list[torch.Tensor] | None = None
-    start: int = 0  # absolute position of the first cached context entry
-    length: int = 0
-
-
 class DFlashDrafter:
     """Engine drafter over a `DFlashModel` and the target it was trained for."""
 
@@ -237,62 +229,8 @@ class DFlashDrafter:
                 raise ConfigError("the DFlash draft vocabulary has ids outside the target's")
             self.head = target.lm_head.weight[vocab.to(target.device)].contiguous()
 
-    def new_state(self) -> _DFlashState:
-        return _DFlashState()
-
-    @torch.inference_mode()
-    def draft(self, state: _DFlashState, ctx: DraftContext, depth: int) -> torch.Tensor:
-        dev, d = self.target.device, self.net
-        root_pos = len(ctx.tokens) - 1
-        if ctx.target_hidden is not None and ctx.target_hidden.shape[0]:
-            self._extend(state, ctx.target_hidden)
-        if state.start + state.length != root_pos:
-            raise EngineError(
-                f"DFlash context covers {state.start + state.length} tokens, expected {root_pos}"
-            )
-        self._evict(state, max(0, state.length - ctx.window))
-        depth = min(depth, self.block_size)
-        emb = self.target.embed_tokens(torch.tensor([ctx.tokens[-1]], device=dev))
-        block = torch.cat([emb, d.mask_embedding.to(emb.dtype).expand(depth, -1)])[None]
-        pos = torch.arange(root_pos, root_pos + depth + 1, device=dev)[None]
-        kv = list(zip(state.keys, state.values, strict=True)) if state.keys else None
-        if kv is None:  # empty context: zero-length keys
-            c = d.c
-            empty = block.new_zeros(1, c.num_kv_heads, 0, c.head_dim)
-            kv = [(empty, empty)] * c.num_layers
-        hidden = d.blocks(block, pos, kv)[0, 1:]  # [depth, H]
-        logp = torch.log_softmax(linear(hidden, self.head).float(), dim=-1).cpu()
-        if self.vocab is None:
-            return logp
-        out = torch.full((depth, self.target.cfg.vocab_size), float("-inf"))
-        out[:, self.vocab] = logp
-        return out
-
-    def _extend(self, state: _DFlashState, taps: torch.Tensor) -> None:
-        n = taps.shape[0]
-        first = state.start + state.length
-        pos = torch.arange(first, first + n, device=taps.device)[None]
-        new = self.net.context_kv(self.net.project(taps.to(self.target.dtype))[None], pos)
-        if state.keys is None:
-            state.keys = [k for k, _ in new]
-            state.values = [v for _, v in new]
-        else:
-            state.keys = [
-                torch.cat([a, k], dim=2) for a, (k, _) in zip(state.keys, new, strict=True)
-            ]
-            state.values = [
-                torch.cat([a, v], dim=2) for a, (_, v) in zip(state.values, new, strict=True)
-            ]
-        state.length += n
-
-    @staticmethod
-    def _evict(state: _DFlashState, n: int) -> None:
-        if n <= 0:
-            return
-        state.keys = [k[:, :, n:] for k in state.keys]
-        state.values = [v[:, :, n:] for v in state.values]
-        state.start += n
-        state.length -= n
+    def new_state(self) -> None:
+        return None  # the engine keeps each request's context in its DFlash pool
 
 
 def block_weights(block_size: int, gamma: float) -> torch.Tensor:

@@ -10,8 +10,8 @@ Interface (what the server, tests and benchmarks use):
     EngineRunner.check_health()               a real one-token generation
     EngineRunner.shutdown()
 
-Each request keeps its own KV cache; the worker runs one DDTree round of every active
-request in turn, so concurrent requests all progress and stream. Live parameters are read
+Each request holds a slot of the engine's KV pool; the worker runs one DDTree round of every
+active request together, so concurrent requests all progress and stream. Live parameters are read
 once per round, so a change applies atomically to whole rounds.
 """
 
@@ -29,9 +29,10 @@ from dataclasses import dataclass
 import torch
 
 from ddserve.config.engine import EngineConfig, LiveParams
-from ddserve.engine.ddtree import DDTreeEngine, Sequence
 from ddserve.engine.drafters import Drafter, ModelDrafter, NGramDrafter, NoDrafter
 from ddserve.engine.sampling import RequestStats, SamplingParams
+from ddserve.engine.sequence import Sequence
+from ddserve.engine.static_engine import StaticEngine
 from ddserve.engine.weights import LoadedModel, load_model
 from ddserve.errors import ConfigError, EngineError, EngineUnavailable, InvalidRequest
 
@@ -121,7 +122,7 @@ class EngineRunner:
     def __init__(self, config: EngineConfig, *, loaded: LoadedModel | None = None):
         self.config = config
         self._loaded = loaded
-        self.engine: DDTreeEngine | None = None
+        self.engine: StaticEngine | None = None
         self.tokenizer = None
         self.max_context = 0
         self._fingerprint = ""
@@ -179,30 +180,20 @@ class EngineRunner:
         drafter = build_drafter(self.config, loaded, device, dtype)
         self.max_context = self.config.max_context or model.cfg.max_position
         depth, eos = self.config.drafter.depth, model.cfg.eos_token_ids
-        graphs = self.config.graphs
-        if graphs == "on" or (graphs == "auto" and device == "cuda"):
-            from ddserve.engine.static_engine import StaticEngine
-
-            self.engine = StaticEngine(
-                model,
-                drafter,
-                depth,
-                eos,
-                slots=self.config.max_batch,
-                max_context=self.max_context,
-                graphs=device == "cuda",
-                compile=self.config.compile == "on"
-                or (self.config.compile == "auto" and device == "cuda"),
-            )
-            spent = self.engine.warm_up(self.config.params)  # part of readiness
-            if spent:
-                log.info(
-                    "warm-up: %d CUDA graphs captured in %.1fs",
-                    self.engine.graph_count,
-                    spent,
-                )
-        else:
-            self.engine = DDTreeEngine(model, drafter, depth, eos)
+        cuda = device == "cuda"
+        self.engine = StaticEngine(
+            model,
+            drafter,
+            depth,
+            eos,
+            slots=self.config.max_batch,
+            max_context=self.max_context,
+            graphs=self.config.graphs != "off" and cuda,
+            compile=self.config.compile == "on" or (self.config.compile == "auto" and cuda),
+        )
+        spent = self.engine.warm_up(self.config.params)  # part of readiness
+        if spent:
+            log.info("warm-up: %d CUDA graphs captured in %.1fs", self.engine.graph_count, spent)
         self._fingerprint = self.config.fingerprint()
         self.engine.generate(
             [model.cfg.bos_token_id or 0], SamplingParams(max_tokens=2), self.config.params
@@ -317,11 +308,9 @@ class EngineRunner:
                     self.engine.release(req.seq)
 
     def _room(self) -> int:
-        """Pending requests that may start now: all, or as many as the KV pool has free
-        slots for (counting active ones that will take theirs at prefill)."""
+        """Pending requests that may start now: as many as the KV pool has free slots for
+        (counting active ones that will take theirs at prefill)."""
         free = self.engine.free_slots
-        if free is None:
-            return len(self._pending)
         unprefilled = sum(1 for r in self._active if not r.prefilled)
         return max(0, free - unprefilled)
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -40,6 +41,16 @@ def next_bucket(n: int, lo: int, hi: int) -> int:
     return min(b, hi)
 
 
+def zeros(shape: tuple[int, ...], device, dtype: torch.dtype) -> torch.Tensor:
+    """torch.zeros; on CPU from calloc (numpy), whose pages take memory only once written,
+    so a pool sized for max_batch x max_context costs what the requests actually use."""
+    if torch.device(device).type != "cpu":
+        return torch.zeros(shape, device=device, dtype=dtype)
+    size = torch.empty((), dtype=dtype).element_size()
+    raw = np.zeros((*shape[:-1], shape[-1] * size), dtype=np.uint8)
+    return torch.from_numpy(raw).view(dtype)
+
+
 class KVPool:
     def __init__(
         self, cfg: LlamaConfig, num_layers: int, slots: int, max_len: int, guard: int, device, dtype
@@ -47,8 +58,8 @@ class KVPool:
         self.slots, self.max_len, self.guard = slots, max_len, guard
         self.usable = max_len - guard  # entries a request may fill
         shape = (num_layers, slots, cfg.num_kv_heads, max_len, cfg.head_dim)
-        self.k = torch.zeros(shape, device=device, dtype=dtype)
-        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self.k = zeros(shape, device, dtype)
+        self.v = zeros(shape, device, dtype)
         self._free = list(range(slots))
 
     @property

@@ -1,5 +1,6 @@
-"""DDTree over static GPU state: `StaticEngine` runs the same algorithm as `DDTreeEngine`
-(same drafts, trees, accept rule and outputs) with
+"""The DDTree engine, on CPU and GPU alike: prefill, then per round draft -> build_tree ->
+verify -> accept -> commit (the algorithm: DESIGN.md; the simpler reference it must match
+token for token is tests/engine/reference.py), over static state:
 
   * one preallocated KV pool; a request holds a slot from `new_sequence` to `release`
   * the verify of every active request in one fixed-shape forward (rows = slots 0..B-1,
@@ -10,25 +11,31 @@
   * argmax and the finiteness check inside the graph: one device->host copy per verify;
     accepted paths move in the pool with one gather/scatter for the whole batch
 
-Host work per round (tree build, accept walk, packing inputs) is timed in `self.timing`.
-Drafters other than DFlash run as in DDTreeEngine (n-gram lookup is host work anyway).
+CUDA graphs only where CUDA is (`torch.compile` of the decoder layer when asked); on CPU the
+same code runs eagerly. Host work per round (tree build, accept walk, packing inputs) is
+timed in `self.timing`. Drafters other than DFlash (n-gram lookup, a draft model, the
+target's first layers) draft through their own `draft` over their own caches.
+`budget=0` (or no draft) verifies the root alone: plain autoregressive decoding through the
+same code. Parameters are read once per round, so a live change is atomic per round.
 """
 
 from __future__ import annotations
 
+import secrets
 import time
 
 import numpy as np
 import torch
 
 from ddserve.config.engine import MAX_TOPK, LiveParams
-from ddserve.engine.ddtree import DDTreeEngine, Outcome, Sequence
 from ddserve.engine.dflash import DFlashDrafter
+from ddserve.engine.drafters import DraftContext, Drafter
 from ddserve.engine.llama import Llama
 from ddserve.engine.sampling import SamplingParams, target_tokens
+from ddserve.engine.sequence import Outcome, Sequence, truncate_at_stop
 from ddserve.engine.static import SlotCache, compile_layer_step, layer_step, next_bucket
 from ddserve.engine.static_models import StaticDFlash, StaticTarget, pack_draft, pack_target
-from ddserve.engine.tree import Tree, ancestor_mask, build_tree, build_tree_top
+from ddserve.engine.tree import Tree, accept, ancestor_mask, build_tree, build_tree_top
 from ddserve.errors import EngineError
 
 PREFILL_CHUNKS = (16, 64, 256)
@@ -44,11 +51,17 @@ def bucket_sizes(hi: int) -> list[int]:
     return [*out, hi]
 
 
-class StaticEngine(DDTreeEngine):
+class StaticEngine:
+    """The algorithm over one target model and one drafter; no threads, no I/O. `slots`
+    requests at a time, each up to `max_context` tokens; `graphs` applies only on CUDA,
+    `compile` wherever asked (the runner asks on CUDA)."""
+
+    accept = staticmethod(accept)  # the accept rule (ddserve.engine.tree); a test seam
+
     def __init__(
         self,
         model: Llama,
-        drafter,
+        drafter: Drafter,
         depth: int,
         eos_token_ids: tuple[int, ...],
         *,
@@ -57,7 +70,13 @@ class StaticEngine(DDTreeEngine):
         graphs: bool = True,
         compile: bool = False,
     ):
-        super().__init__(model, drafter, depth, eos_token_ids)
+        self.model = model
+        self.drafter = drafter
+        self.depth = depth
+        self.eos_token_ids = frozenset(eos_token_ids)
+        # target layers whose outputs the drafter is conditioned on (kept from verify)
+        self.capture: tuple[int, ...] = tuple(getattr(drafter, "capture", ()))
+        graphs = graphs and model.device.type == "cuda"
         layer_fn = compile_layer_step() if compile else layer_step  # the hot step, compiled once
         self.target = StaticTarget(
             model, slots, max_context, self.capture, graphs, layer_fn=layer_fn
@@ -141,8 +160,15 @@ class StaticEngine(DDTreeEngine):
             raise EngineError(
                 f"prompt of {len(prompt)} tokens exceeds the KV slot's {self.pool.usable}"
             )
-        seq = super().new_sequence(prompt, sampling)
-        seq.cache = SlotCache(self.pool, self.pool.acquire())
+        gen = None
+        if not sampling.greedy:
+            gen = torch.Generator(device=self.model.device)
+            gen.manual_seed(sampling.seed if sampling.seed is not None else secrets.randbits(63))
+        cache = SlotCache(self.pool, self.pool.acquire())
+        seq = Sequence(
+            list(prompt), sampling, cache, self.drafter.new_state(), gen, tokens=list(prompt)
+        )
+        seq.stats.prompt_tokens = len(prompt)
         if self.sdraft is not None:
             seq.draft_state = 0  # context entries written to the drafter's slot
             seq.pending = 0  # rows of sdraft.feats[slot] not yet written as context
@@ -199,10 +225,35 @@ class StaticEngine(DDTreeEngine):
             seq.cache.length = len(head)
             seq.stats.prefill_s += spent
 
+    def generate(self, prompt: list[int], sampling: SamplingParams, params: LiveParams) -> Sequence:
+        """Run one request to completion (tests, benchmarks; the server uses `step_batch`)."""
+        seq = self.new_sequence(prompt, sampling)
+        try:
+            self.prefill(seq)
+            while not seq.finished:
+                self.step(seq, params)
+        finally:
+            self.release(seq)
+        return seq
+
     # -- one round of a batch -----------------------------------------------------------
     @torch.inference_mode()
+    def step(self, seq: Sequence, params: LiveParams) -> list[int]:
+        """One round of one sequence (see `step_batch`). Returns its new tokens."""
+        out = self.step_batch([seq], params)[0]
+        if isinstance(out, Exception):
+            raise out
+        return out
+
+    @torch.inference_mode()
     def step_batch(self, seqs: list[Sequence], params: LiveParams) -> list[Outcome]:
-        """See DDTreeEngine.step_batch (the same per-sequence outcomes)."""
+        """One round of every sequence: draft and build each tree, verify all trees in one
+        target forward, then accept and commit per sequence.
+
+        Atomic per round: if the shared part (drafts, verify) raises, nothing was committed
+        and the caller may retry. After it, each sequence's outcome is its own: its new
+        tokens, or the exception that ended it (its commit did not happen; the others' did).
+        Per-request stats: its share of the draft time, and the verify's wall time."""
         t0 = time.perf_counter()
         trees = self._draft_trees(seqs, params)
         t1 = time.perf_counter()
@@ -282,7 +333,7 @@ class StaticEngine(DDTreeEngine):
             if self.sdraft is not None:
                 seq.pending = len(path) + 1
             new = [tree.tokens[i] for i in path] + [bonus]
-            new = self._truncate_at_stop(seq, new)
+            new = truncate_at_stop(seq, new, self.eos_token_ids)
             seq.tokens.extend(new)
             seq.output.extend(new)
             out.append(new)
@@ -301,6 +352,13 @@ class StaticEngine(DDTreeEngine):
             st.completion_tokens += len(new)
             st.accept_lengths.append(len(new))
         return out
+
+    def draft(self, seq: Sequence, params: LiveParams) -> torch.Tensor | None:
+        """Per-depth log-probs [L, V] from a drafter that drafts on its own (not DFlash)."""
+        depth = min(self.depth, params.budget)
+        if depth <= 0:
+            return None
+        return self.drafter.draft(seq.draft_state, DraftContext(seq.tokens, params.window), depth)
 
     def _draft_trees(self, seqs: list[Sequence], params: LiveParams) -> list[Tree]:
         t0 = time.perf_counter()

@@ -93,6 +93,24 @@ def build_tree_top(
     return tree
 
 
+def accept(tree: Tree, targets: list[int]) -> tuple[list[int], int]:
+    """The accept rule, for greedy and sampling alike: `targets[i]` is the target's token at
+    node i (argmax, or a sample); walk from the root while that token is a child; the first
+    token that is not is the bonus. Each emitted token is the target's own draw given the
+    accepted path, so the output follows the target distribution exactly.
+    Returns (accepted node indices, bonus token)."""
+    path, node = [], 0
+    while True:
+        want = targets[node]
+        child = tree.first_child[node]
+        while child != -1 and tree.tokens[child] != want:
+            child = tree.next_sibling[child]
+        if child == -1:
+            return path, want
+        path.append(child)
+        node = child
+
+
 def ancestor_mask(tree: Tree, width: int | None = None) -> np.ndarray:
     """[W, W] bool (W = width or the tree's size): mask[i, j] = node j is node i or one of
     its ancestors. Rows past the tree (padding to a fixed width) see only themselves."""

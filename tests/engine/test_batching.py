@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from ddserve.config.engine import LiveParams
-from ddserve.engine.ddtree import DDTreeEngine
 from ddserve.engine.dflash import DFlashDrafter
 from ddserve.engine.drafters import ModelDrafter, NGramDrafter, NoDrafter
 from ddserve.engine.sampling import SamplingParams
 from ddserve.engine.weights import random_llama, tiny_config
+from tests.engine.reference import one_engine
 from tests.engine.test_lossless import V, chi2_pvalue, exact_pairs, random_dflash
 
 PROMPTS = [
@@ -71,7 +71,7 @@ def test_batched_greedy_equals_per_request(tiny, budget, topk):
     params = LiveParams(budget=budget, topk=topk)
     lengths = [30, 12, 25, 40, 5]  # different lengths: sequences leave at different rounds
     for name, drafter in drafters.items():
-        eng = DDTreeEngine(tiny, drafter, 6, ())
+        eng = one_engine(tiny, drafter, 6)
         alone = [
             eng.generate(p, SamplingParams(max_tokens=n), params).output
             for p, n in zip(PROMPTS, lengths, strict=True)
@@ -104,4 +104,4 @@ def check_batched_sampling(make_engine, n: int = 2400, tv: float = 0.05) -> None
 
 
 def test_batched_sampling_follows_target_distribution():
-    check_batched_sampling(lambda target, drafter: DDTreeEngine(target, drafter, 3, ()))
+    check_batched_sampling(lambda target, drafter: one_engine(target, drafter, 3))

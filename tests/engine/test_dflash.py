@@ -8,13 +8,13 @@ import pytest
 import torch
 
 from ddserve.config.engine import LiveParams
-from ddserve.engine.ddtree import DDTreeEngine
 from ddserve.engine.dflash import DFlashConfig, DFlashDrafter, DFlashModel, load_dflash, save_dflash
 from ddserve.engine.drafters import DraftContext
 from ddserve.engine.sampling import SamplingParams
 from ddserve.engine.weights import random_llama, tiny_config, to_hf
 from ddserve.errors import ConfigError
 from ddserve.training.dflash import block_forward, make_batch, target_taps
+from tests.engine.reference import ReferenceDFlash, ReferenceEngine
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +50,7 @@ def test_training_blocks_equal_engine_drafter(target):
         taps = target_taps(to_hf(target), ids, d.c.target_layers)
         hidden, labels = block_forward(d, target, ids, anchors, valid, taps)
         train_lp = torch.log_softmax(hidden @ target.lm_head.weight.T, -1)[0]  # [nb, L, V]
-    drafter = DFlashDrafter(d, target)
+    drafter = ReferenceDFlash(d, target)
     for j, a in enumerate(anchors[0].tolist()):
         state = drafter.new_state()
         _, h = target(
@@ -64,9 +64,11 @@ def test_training_blocks_equal_engine_drafter(target):
 
 def test_engine_feeds_exactly_the_committed_context(target):
     """After any number of rounds the drafter's context is every committed token but the root,
-    so a drafter whose context came incrementally equals one given the whole prefix at once."""
+    so a drafter whose context came incrementally equals one given the whole prefix at once.
+    (The reference engine's feeding; the engine's DFlash pool is held to the reference by
+    tests/engine/test_static_engine.py: same outputs and accept lengths.)"""
     d = drafter_model(target)
-    eng = DDTreeEngine(target, DFlashDrafter(d, target), 5, (2,))
+    eng = ReferenceEngine(target, ReferenceDFlash(d, target), 5, (2,))
     prompt = [1, 20, 21, 22, 23, 20, 21]
     seq = eng.new_sequence(prompt, SamplingParams(max_tokens=25, ignore_eos=True))
     eng.prefill(seq)
@@ -74,7 +76,7 @@ def test_engine_feeds_exactly_the_committed_context(target):
     while not seq.finished:
         eng.step(seq, params)
     incremental = eng.draft(seq, params)
-    fresh = DFlashDrafter(d, target)
+    fresh = ReferenceDFlash(d, target)
     n = len(seq.tokens) - 1
     _, h = target(
         torch.tensor(seq.tokens[:n]), torch.arange(n), target.new_cache(), capture=fresh.capture
@@ -85,7 +87,7 @@ def test_engine_feeds_exactly_the_committed_context(target):
 
 def test_window_limits_the_context(target):
     d = drafter_model(target)
-    dr = DFlashDrafter(d, target)
+    dr = ReferenceDFlash(d, target)
     toks = list(range(3, 40))
     n = len(toks) - 1
     _, h = target(torch.tensor(toks[:n]), torch.arange(n), target.new_cache(), capture=dr.capture)
@@ -105,5 +107,5 @@ def test_save_load_round_trip_and_target_check(target, tmp_path):
     other = random_llama(tiny_config(vocab_size=300), seed=1)
     with pytest.raises(ConfigError, match="trained for a target"):
         DFlashDrafter(back, other)
-    with pytest.raises(ConfigError, match="no DFlash drafter"):
+    with pytest.raises(ConfigError, match="not a readable DFlash drafter directory"):
         load_dflash(tmp_path / "missing")

@@ -9,7 +9,6 @@ from scipy.stats import chisquare
 
 from ddserve.bench.prompts import chat_ids
 from ddserve.config.engine import LiveParams
-from ddserve.engine.ddtree import DDTreeEngine
 from ddserve.engine.dflash import (
     BUILTIN,
     DFlashConfig,
@@ -20,7 +19,9 @@ from ddserve.engine.dflash import (
 )
 from ddserve.engine.drafters import ModelDrafter, NGramDrafter, NoDrafter
 from ddserve.engine.sampling import SamplingParams
+from ddserve.engine.static_engine import StaticEngine
 from ddserve.engine.weights import load_model, random_llama, tiny_config
+from tests.engine.reference import ReferenceEngine, one_engine
 
 PROMPTS = [[1, 5, 6, 7, 8, 5, 6, 7], [1, 300, 301, 302, 303, 304, 300, 301, 302], [1, 42]]
 
@@ -31,7 +32,8 @@ def tiny():
 
 
 def ar_greedy(model, prompt, n):
-    eng = DDTreeEngine(model, NoDrafter(), 1, ())
+    """The oracle: plain greedy decoding by the reference engine."""
+    eng = ReferenceEngine(model, NoDrafter(), 1, ())
     return eng.generate(prompt, SamplingParams(max_tokens=n), LiveParams(budget=0)).output
 
 
@@ -60,7 +62,7 @@ def test_greedy_equals_autoregressive_tiny(tiny, budget, topk, window):
     for prompt in PROMPTS:
         ref = ar_greedy(tiny, prompt, 40)
         for name, drafter in drafters(tiny).items():
-            eng = DDTreeEngine(tiny, drafter, 6, ())
+            eng = one_engine(tiny, drafter, 6)
             seq = eng.generate(
                 prompt,
                 SamplingParams(max_tokens=40),
@@ -76,7 +78,7 @@ def test_greedy_equals_autoregressive_tiny(tiny, budget, topk, window):
 def test_eos_and_max_tokens_are_exact(tiny):
     ref = ar_greedy(tiny, PROMPTS[0], 30)
     eos = ref[10]
-    eng = DDTreeEngine(tiny, ModelDrafter(tiny), 6, (eos,))
+    eng = one_engine(tiny, ModelDrafter(tiny), 6, (eos,))
     seq = eng.generate(PROMPTS[0], SamplingParams(max_tokens=30), LiveParams(budget=16, topk=2))
     assert seq.output == ref[: ref.index(eos) + 1] and seq.finish_reason == "stop"
     seq = eng.generate(
@@ -108,7 +110,7 @@ def test_greedy_equals_autoregressive_smollm2():
             (DFlashDrafter(load_dflash(BUILTIN["smollm2-135m"]), m, vocab), 3, 1, 2048),
             (DFlashDrafter(load_dflash(BUILTIN["smollm2-135m"]), m, None), 16, 4, 24),
         ]:
-            seq = DDTreeEngine(m, drafter, 8, m.cfg.eos_token_ids).generate(
+            seq = one_engine(m, drafter, 8, m.cfg.eos_token_ids).generate(
                 prompt,
                 SamplingParams(max_tokens=48),
                 LiveParams(budget=budget, topk=topk, window=window),
@@ -158,11 +160,12 @@ def exact_pairs(model, prompt, t, top_p, top_k) -> np.ndarray:
     return out.flatten()
 
 
-class WrongVerifier(DDTreeEngine):
+class WrongVerifier(StaticEngine):
     """Accepts the first child whenever the target's sample merely has the same rank-0
     draft in its top-3 — a plausible-looking but biased rule the test must reject."""
 
-    def accept(self, tree, targets):
+    @staticmethod
+    def accept(tree, targets):
         path, node = [], 0
         while tree.first_child[node] != -1 and (
             targets[node] == tree.tokens[tree.first_child[node]] or targets[node] % 2 == 0
@@ -173,7 +176,7 @@ class WrongVerifier(DDTreeEngine):
 
 
 def sample_pairs(engine_cls, target, draft, t, top_p, top_k, n):
-    eng = engine_cls(target, ModelDrafter(draft), 3, ())
+    eng = one_engine(target, ModelDrafter(draft), 3, engine=engine_cls)
     params = LiveParams(budget=6, topk=3)
     counts = np.zeros(V * V)
     rounds = 0
@@ -213,7 +216,7 @@ def toy():
 def test_sampling_follows_target_distribution(toy, t, top_p, top_k):
     target, draft = toy
     probs = exact_pairs(target, [1, 2, 3], t, top_p, top_k)
-    counts, rounds = sample_pairs(DDTreeEngine, target, draft, t, top_p, top_k, 2500)
+    counts, rounds = sample_pairs(StaticEngine, target, draft, t, top_p, top_k, 2500)
     assert rounds < 1.9, "drafts were never accepted: the test would prove nothing"
     assert chi2_pvalue(counts, probs) > 1e-3
     tv = 0.5 * np.abs(counts / counts.sum() - probs).sum()

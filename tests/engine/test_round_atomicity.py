@@ -1,6 +1,6 @@
 """A request that fails inside a batched round fails alone: every other request of that round
 gets its tokens exactly once (its output equals its output alone), for the engine the runner
-builds with graphs off and on. And no sampling value a user can send makes sampling blow up."""
+builds. And no sampling value a user can send makes sampling blow up."""
 
 import asyncio
 from dataclasses import dataclass
@@ -40,13 +40,12 @@ async def collect(runner: EngineRunner, prompt: list[int], sampling: SamplingPar
     return out, None
 
 
-@pytest.fixture(scope="module", params=["off", "on"], ids=["dynamic", "static"])
-def runner(request):
+@pytest.fixture(scope="module")
+def runner():
     cfg = EngineConfig(
         model="tiny-random",
         device="cpu",
         max_batch=8,
-        graphs=request.param,
         drafter={"kind": "ngram"},
         params={"budget": 4, "topk": 2},
     )

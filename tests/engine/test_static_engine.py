@@ -1,5 +1,5 @@
-"""The static engine (KV pool, fixed-shape forwards, CUDA graphs on a GPU) decodes exactly
-like the dynamic one: same greedy tokens and accept lengths for every drafter, alone and in
+"""The engine (KV pool, fixed-shape forwards, CUDA graphs on a GPU) decodes exactly like
+the reference (tests/engine/reference.py): same greedy tokens and accept lengths for every drafter, alone and in
 batches with late joiners; sampling follows the target distribution; slots are returned.
 The CUDA tests run on a GPU machine (the device tool), not in CI."""
 
@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from ddserve.config.engine import EngineConfig, LiveParams
-from ddserve.engine.ddtree import DDTreeEngine
 from ddserve.engine.dflash import DFlashDrafter
 from ddserve.engine.drafters import NGramDrafter, NoDrafter
 from ddserve.engine.runner import EngineRunner
@@ -18,6 +17,7 @@ from ddserve.engine.sampling import SamplingParams
 from ddserve.engine.static_engine import StaticEngine
 from ddserve.engine.weights import random_llama, tiny_config
 from ddserve.errors import EngineError
+from tests.engine.reference import ReferenceDFlash, ReferenceEngine
 from tests.engine.test_batching import PROMPTS, check_batched_sampling, run_lockstep
 from tests.engine.test_lossless import random_dflash
 
@@ -29,7 +29,7 @@ def drafters(model):
     return {
         "none": lambda: NoDrafter(),
         "ngram": lambda: NGramDrafter(model.cfg.vocab_size),
-        "dflash-untrained": lambda: DFlashDrafter(random_dflash(model), model),
+        "dflash-untrained": lambda: ReferenceDFlash(random_dflash(model), model),
     }
 
 
@@ -37,7 +37,7 @@ def compare(model, graphs: bool, configs):
     for budget, topk, window in configs:
         params = LiveParams(budget=budget, topk=topk, window=window)
         for name, make in drafters(model).items():
-            ref = DDTreeEngine(model, make(), 6, ())
+            ref = ReferenceEngine(model, make(), 6, ())
             alone = [
                 ref.generate(p, SamplingParams(max_tokens=n), params)
                 for p, n in zip(PROMPTS, LENGTHS, strict=True)
@@ -70,7 +70,7 @@ def tiny():
     return random_llama(tiny_config(vocab_size=512), seed=3)
 
 
-def test_static_equals_dynamic_cpu(tiny):
+def test_engine_equals_reference_cpu(tiny):
     compare(tiny, False, [(0, 1, 2048), (6, 2, 2048), (16, 4, 4), (40, 8, 64)])
 
 
@@ -130,21 +130,21 @@ def test_runner_queues_requests_beyond_the_pool():
 
 
 @cuda
-def test_graphs_equal_dynamic_cuda_fp32():
+def test_graphs_equal_reference_cuda_fp32():
     model = random_llama(tiny_config(vocab_size=512), seed=3).cuda()
     compare(model, True, [(0, 1, 2048), (6, 2, 2048), (16, 4, 4)])
 
 
 def test_batched_prefill_of_long_and_short_prompts(tiny):
     """Prompts of 1 to 300 tokens prefilled together (several chunks, rows of one forward),
-    then decoded in lockstep with a DFlash drafter: the dynamic engine's output and accept
+    then decoded in lockstep with a DFlash drafter: the reference engine's output and accept
     lengths for each."""
     gen = torch.Generator().manual_seed(0)
     prompts = [[1], [1, 7, 8], torch.randint(3, 500, (300,), generator=gen).tolist()]
     prompts.append(torch.randint(3, 500, (70,), generator=gen).tolist())
     params = LiveParams(budget=8, topk=2)
     draft = random_dflash(tiny)
-    ref = DDTreeEngine(tiny, DFlashDrafter(draft, tiny), 6, ())
+    ref = ReferenceEngine(tiny, ReferenceDFlash(draft, tiny), 6, ())
     alone = [ref.generate(p, SamplingParams(max_tokens=20), params) for p in prompts]
     eng = StaticEngine(
         tiny, DFlashDrafter(draft, tiny), 6, (), slots=4, max_context=512, graphs=False
@@ -160,7 +160,7 @@ def test_batched_prefill_of_long_and_short_prompts(tiny):
 def test_spec_max_batch_switches_crowded_rounds_to_plain_decoding():
     """With spec_max_batch=1, rounds of several requests verify roots only: outputs stay
     those of each request alone, in more rounds. (Budget-0 rounds with a DFlash drafter,
-    which still write its context, are in test_static_equals_dynamic_cpu.)"""
+    which still write its context, are in test_engine_equals_reference_cpu.)"""
     cfg = EngineConfig(
         model="tiny-random",
         device="cpu",
@@ -198,11 +198,11 @@ def test_spec_max_batch_switches_crowded_rounds_to_plain_decoding():
 
 def test_trees_at_the_end_of_the_context(tiny):
     """A request that fills its context to the last entry while verifying 17-node trees:
-    the trees' pending entries run into the slot's guard, the output is the dynamic one's."""
+    the trees' pending entries run into the slot's guard, the output is the reference's."""
     params = LiveParams(budget=16, topk=4)
     prompt = [1] + [5, 6, 7, 8] * 10  # 41 tokens + 23 new = the whole 64-token context
     draft = random_dflash(tiny)
-    ref = DDTreeEngine(tiny, DFlashDrafter(draft, tiny), 6, ())
+    ref = ReferenceEngine(tiny, ReferenceDFlash(draft, tiny), 6, ())
     want = ref.generate(prompt, SamplingParams(max_tokens=23), params).output
     eng = StaticEngine(
         tiny, DFlashDrafter(draft, tiny), 6, (), slots=2, max_context=64, graphs=False
@@ -213,9 +213,9 @@ def test_trees_at_the_end_of_the_context(tiny):
 
 def test_compiled_layers_decode_like_eager_ones(tiny):
     """The GPU default compiles the decoder layer (torch.compile, dynamic shapes); inductor's
-    CPU backend runs the same graph here: outputs equal the dynamic engine's, across batch
+    CPU backend runs the same graph here: outputs equal the reference engine's, across batch
     sizes and tree widths that share one compilation."""
-    ref = DDTreeEngine(tiny, NGramDrafter(512), 6, ())
+    ref = ReferenceEngine(tiny, NGramDrafter(512), 6, ())
     eng = StaticEngine(
         tiny, NGramDrafter(512), 6, (), slots=8, max_context=256, graphs=False, compile=True
     )

@@ -1,4 +1,7 @@
-"""One request's DDTree decoding, one round at a time.
+"""The test oracle: the DDTree algorithm written plainly over growable per-request KV
+caches (`Llama.forward_batch`), one function per step. The engine
+(`ddserve.engine.static_engine.StaticEngine`) must match it token for token: same drafts,
+trees, accept rule, outputs and accept lengths.
 
     prefill  the prompt (all but its last token) into the target's KV cache
     per round:
@@ -16,44 +19,22 @@ from __future__ import annotations
 
 import secrets
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from ddserve.config.engine import LiveParams
+from ddserve.engine.dflash import DFlashDrafter
 from ddserve.engine.drafters import DraftContext, Drafter
-from ddserve.engine.llama import KVCache, Llama
-from ddserve.engine.sampling import RequestStats, SamplingParams, target_tokens
-from ddserve.engine.tree import Tree, build_tree, tree_mask
+from ddserve.engine.llama import Llama, linear
+from ddserve.engine.sampling import SamplingParams, target_tokens
+from ddserve.engine.sequence import Outcome, Sequence, truncate_at_stop
+from ddserve.engine.static_engine import StaticEngine
+from ddserve.engine.tree import Tree, accept, build_tree, tree_mask
 from ddserve.errors import EngineError
 
-# one sequence's result of a round: its new tokens, or the exception that ended it
-Outcome = list[int] | Exception
 
-
-@dataclass
-class Sequence:
-    """Decoding state of one request."""
-
-    prompt: list[int]
-    sampling: SamplingParams
-    cache: KVCache
-    draft_state: object
-    generator: torch.Generator | None
-    tokens: list[int] = field(default_factory=list)  # committed context; tokens[-1] is the root
-    output: list[int] = field(default_factory=list)
-    finish_reason: str | None = None
-    stats: RequestStats = field(default_factory=RequestStats)
-    # target layer outputs of committed tokens the drafter has not seen yet (DFlash)
-    hidden_new: list[torch.Tensor] = field(default_factory=list)
-    tree_hidden: torch.Tensor | None = None  # the last verify's tapped outputs, all nodes
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
-
-class DDTreeEngine:
+class ReferenceEngine:
     """The algorithm over one target model and one drafter; no threads, no I/O."""
 
     def __init__(self, model: Llama, drafter: Drafter, depth: int, eos_token_ids: tuple[int, ...]):
@@ -64,7 +45,7 @@ class DDTreeEngine:
         # target layers whose outputs the drafter is conditioned on (kept from verify)
         self.capture: tuple[int, ...] = tuple(getattr(drafter, "capture", ()))
 
-    free_slots: int | None = None  # no fixed number of concurrent sequences
+    accept = staticmethod(accept)  # the accept rule (ddserve.engine.tree); a test seam
 
     def release(self, seq: Sequence) -> None:
         """The sequence is done (finished, failed or cancelled); its caches can go."""
@@ -134,52 +115,16 @@ class DDTreeEngine:
                 seq.tree_hidden = h
         return logits
 
-    @staticmethod
-    def accept(tree: Tree, targets: list[int]) -> tuple[list[int], int]:
-        """Sample (or argmax) at every node; walk from the root while the target's token is
-        a child; the first token that is not is the bonus. Each emitted token is the
-        target's own draw given the accepted path, so the output follows the target
-        distribution exactly. Returns (accepted node indices, bonus token)."""
-        path, node = [], 0
-        while True:
-            want = targets[node]
-            child = tree.first_child[node]
-            while child != -1 and tree.tokens[child] != want:
-                child = tree.next_sibling[child]
-            if child == -1:
-                return path, want
-            path.append(child)
-            node = child
-
     def commit(self, seq: Sequence, tree: Tree, path: list[int], bonus: int) -> list[int]:
         seq.cache.commit([0, *path])
         if self.capture:
             seq.hidden_new.append(seq.tree_hidden[[0, *path]])
             seq.tree_hidden = None
         new = [tree.tokens[i] for i in path] + [bonus]
-        new = self._truncate_at_stop(seq, new)
+        new = truncate_at_stop(seq, new, self.eos_token_ids)
         seq.tokens.extend(new)
         seq.output.extend(new)
         return new
-
-    def _truncate_at_stop(self, seq: Sequence, new: list[int]) -> list[int]:
-        sp = seq.sampling
-        for i, tok in enumerate(new):
-            if (tok in self.eos_token_ids and not sp.ignore_eos) or tok in sp.stop_token_ids:
-                seq.finish_reason = "stop"
-                return new[: i + 1]
-            if len(seq.output) + i + 1 >= sp.max_tokens:
-                seq.finish_reason = "length"
-                return new[: i + 1]
-        return new
-
-    @torch.inference_mode()
-    def step(self, seq: Sequence, params: LiveParams) -> list[int]:
-        """One round of one sequence (see `step_batch`). Returns its new tokens."""
-        out = self.step_batch([seq], params)[0]
-        if isinstance(out, Exception):
-            raise out
-        return out
 
     def accept_one(self, seq: Sequence, tree: Tree, logits: torch.Tensor) -> list[int]:
         """Target tokens, accept and commit for one sequence: its new tokens."""
@@ -192,13 +137,9 @@ class DDTreeEngine:
 
     @torch.inference_mode()
     def step_batch(self, seqs: list[Sequence], params: LiveParams) -> list[Outcome]:
-        """One round of every sequence: draft and build each tree, verify all trees in one
-        target forward, then accept and commit per sequence.
-
-        Atomic per round: if the shared part (drafts, verify) raises, nothing was committed
-        and the caller may retry. After it, each sequence's outcome is its own: its new
-        tokens, or the exception that ended it (its commit did not happen; the others' did).
-        Per-request stats: its own draft time, and the shared verify's wall time."""
+        """The contract of `StaticEngine.step_batch`: draft and build each tree, verify all
+        trees in one target forward (packed, each under its own mask over its own cache),
+        then accept and commit per sequence."""
         trees, draft_s = [], []
         for seq in seqs:
             t0 = time.perf_counter()
@@ -226,13 +167,87 @@ class DDTreeEngine:
             st.accept_lengths.append(len(new))
         return out
 
-    def generate(self, prompt: list[int], sampling: SamplingParams, params: LiveParams) -> Sequence:
-        """Run one request to completion (tests, benchmarks; the server uses `step`)."""
-        seq = self.new_sequence(prompt, sampling)
-        try:
-            self.prefill(seq)
-            while not seq.finished:
-                self.step(seq, params)
-        finally:
-            self.release(seq)
-        return seq
+    # the request loop is the engine's own (one round at a time until finished)
+    step = StaticEngine.step
+    generate = StaticEngine.generate
+
+
+def one_engine(
+    model: Llama, drafter: Drafter, depth: int, eos_token_ids=(), engine=StaticEngine, **kw
+) -> StaticEngine:
+    """The engine under test (or a subclass), on the model's device, with room for the
+    tests' batches."""
+    kw.setdefault("slots", 8)
+    kw.setdefault("max_context", 512)
+    kw.setdefault("graphs", False)
+    return engine(model, drafter, depth, tuple(eos_token_ids), **kw)
+
+
+@dataclass
+class _DFlashState:
+    keys: list[torch.Tensor] | None = None  # per layer [1, kvh, n, hd], positions start..start+n
+    values: list[torch.Tensor] | None = None
+    start: int = 0  # absolute position of the first cached context entry
+    length: int = 0
+
+
+class ReferenceDFlash(DFlashDrafter):
+    """The DFlash drafter written plainly: one request at a time over growable per-layer
+    context keys/values (the engine's `StaticDFlash` must draft the same)."""
+
+    def new_state(self) -> _DFlashState:
+        return _DFlashState()
+
+    @torch.inference_mode()
+    def draft(self, state: _DFlashState, ctx: DraftContext, depth: int) -> torch.Tensor:
+        dev, d = self.target.device, self.net
+        root_pos = len(ctx.tokens) - 1
+        if ctx.target_hidden is not None and ctx.target_hidden.shape[0]:
+            self._extend(state, ctx.target_hidden)
+        if state.start + state.length != root_pos:
+            raise EngineError(
+                f"DFlash context covers {state.start + state.length} tokens, expected {root_pos}"
+            )
+        self._evict(state, max(0, state.length - ctx.window))
+        depth = min(depth, self.block_size)
+        emb = self.target.embed_tokens(torch.tensor([ctx.tokens[-1]], device=dev))
+        block = torch.cat([emb, d.mask_embedding.to(emb.dtype).expand(depth, -1)])[None]
+        pos = torch.arange(root_pos, root_pos + depth + 1, device=dev)[None]
+        kv = list(zip(state.keys, state.values, strict=True)) if state.keys else None
+        if kv is None:  # empty context: zero-length keys
+            c = d.c
+            empty = block.new_zeros(1, c.num_kv_heads, 0, c.head_dim)
+            kv = [(empty, empty)] * c.num_layers
+        hidden = d.blocks(block, pos, kv)[0, 1:]  # [depth, H]
+        logp = torch.log_softmax(linear(hidden, self.head).float(), dim=-1).cpu()
+        if self.vocab is None:
+            return logp
+        out = torch.full((depth, self.target.cfg.vocab_size), float("-inf"))
+        out[:, self.vocab] = logp
+        return out
+
+    def _extend(self, state: _DFlashState, taps: torch.Tensor) -> None:
+        n = taps.shape[0]
+        first = state.start + state.length
+        pos = torch.arange(first, first + n, device=taps.device)[None]
+        new = self.net.context_kv(self.net.project(taps.to(self.target.dtype))[None], pos)
+        if state.keys is None:
+            state.keys = [k for k, _ in new]
+            state.values = [v for _, v in new]
+        else:
+            state.keys = [
+                torch.cat([a, k], dim=2) for a, (k, _) in zip(state.keys, new, strict=True)
+            ]
+            state.values = [
+                torch.cat([a, v], dim=2) for a, (_, v) in zip(state.values, new, strict=True)
+            ]
+        state.length += n
+
+    @staticmethod
+    def _evict(state: _DFlashState, n: int) -> None:
+        if n <= 0:
+            return
+        state.keys = [k[:, :, n:] for k in state.keys]
+        state.values = [v[:, :, n:] for v in state.values]
+        state.start += n
+        state.length -= n
