@@ -94,24 +94,21 @@ def build_drafter(
 
         path = d.dflash_path or BUILTIN.get(config.model)
         if path is None:
-            raise InvalidRequest(
+            raise ConfigError(
                 f"drafter.kind=dflash: no builtin DFlash drafter for model {config.model!r}; set drafter.dflash_path (train one with python -m ddserve.training.dflash)",
                 param="drafter.dflash_path",
             )
-        try:
-            return DFlashDrafter(load_dflash(path), target.model, load_draft_vocab(path))
-        except ConfigError as exc:
-            raise InvalidRequest(str(exc), param="drafter.dflash_path") from exc
+        return DFlashDrafter(load_dflash(path), target.model, load_draft_vocab(path))
     if d.kind == "layer-skip":
         if d.layers >= target.model.cfg.num_layers:
-            raise InvalidRequest(
+            raise ConfigError(
                 f"drafter.layers={d.layers}: must be below the target's {target.model.cfg.num_layers} layers",
                 param="drafter.layers",
             )
         return ModelDrafter(target.model, d.layers, name="layer-skip")
     draft = load_model(d.draft_model, device, dtype, with_tokenizer=False).model
     if draft.cfg.vocab_size != target.model.cfg.vocab_size:
-        raise InvalidRequest(
+        raise ConfigError(
             f"drafter.draft_model={d.draft_model!r} has vocab {draft.cfg.vocab_size}, the target {target.model.cfg.vocab_size}: they must share a tokenizer",
             param="drafter.draft_model",
         )
