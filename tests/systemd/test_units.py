@@ -146,6 +146,14 @@ def test_engine_unit_under_a_real_systemd(tmp_path):
     with nspawn.booted([f"{ROOT}:{src}", str(tmp_path)]) as c:
         # the interpreter lives under /root here; /opt or /usr in production
         c.run("chmod", "755", "/root")
+        # installed as a user would (not editable): an editable install points at the checkout,
+        # which PrivateTmp hides when it lives under /tmp; the container's writes stay in its
+        # overlay, the host's environment is untouched
+        c.run(
+            "sh",
+            "-c",
+            f"cd {src} && {sys.executable} -m pip install -q --no-deps --no-build-isolation .",
+        )
         c.run(
             "sh",
             "-c",
