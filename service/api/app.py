@@ -47,7 +47,7 @@ from ddserve.api.observability import (
     PrometheusExporter,
     StatsLog,
     drafter_depth,
-    runner_load,
+    engine_load,
 )
 from ddserve.api.protocol import (
     AdminParams,
@@ -108,7 +108,7 @@ def create_app(
             backend,
             exporter,
             drafter_depth=drafter_depth(backend.info().get("config", {}).get("drafter", {})),
-            load=runner_load(backend),
+            load=engine_load(backend),
             record_reconfig=True,
         )
     stats = StatsLog(backend, stats_interval_s)

@@ -342,25 +342,10 @@ class StatsLog:
                 log.info("%s", line)
 
 
-def runner_load(backend) -> Callable[[], dict] | None:
-    """The engine's load gauges, read from the builtin engine's runner in this process
-    (`LocalBackend.runner`); None for a backend without one."""
-    runner = getattr(backend, "runner", None)
-    if runner is None:
-        return None
-
-    def load() -> dict:
-        now = runner.load
-        out = {"num_requests_running": now["running"], "num_requests_waiting": now["waiting"]}
-        free = getattr(getattr(runner, "engine", None), "free_slots", None)
-        if free is None:  # dynamic engine: every running request holds its own cache
-            out["kv_slots_used"] = out["num_requests_running"]
-        else:  # static engine: a pool of max_batch slots
-            total = runner.config.max_batch
-            out |= {"kv_slots_used": total - free, "kv_slots_total": total}
-        return out
-
-    return load
+def engine_load(backend) -> Callable[[], dict] | None:
+    """The engine's load gauges when the backend can tell them (`load_gauges()`: the builtin
+    engine in this process, or its engine core over the channel); None otherwise."""
+    return getattr(backend, "load_gauges", None)
 
 
 class AccessLog:

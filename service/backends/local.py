@@ -54,6 +54,9 @@ class LocalBackend:
                 return
             yield Delta(text, out.token_ids, out.fingerprint)
 
+    def load_gauges(self) -> dict:
+        return self.runner.load_gauges()
+
     async def check_health(self) -> float:
         return await self.runner.check_health()
 

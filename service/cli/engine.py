@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import errno
 import socket
 import sys
@@ -14,7 +15,7 @@ from ddserve.config.admin_token import DEFAULT_ENV, read_admin_token
 from ddserve.config.deploy import load_config
 from ddserve.config.engine import EngineConfig
 from ddserve.config.flags import ENGINE_FIELDS, encode_value, engine_config_from
-from ddserve.errors import ConfigError
+from ddserve.errors import ConfigError, EngineUnavailable
 
 METAVAR = {"int": "N", "float": "X", "str": "TEXT", "list": "JSON|A,B", "object": "JSON"}
 
@@ -174,32 +175,65 @@ def run_engine(a: argparse.Namespace) -> None:
 
     sock = listen_socket(a.host, a.port)  # a busy port fails here, before the weights load
 
-    import uvicorn
-
-    from ddserve.api.app import create_app
-    from ddserve.backends.local import LocalBackend
-    from ddserve.engine.runner import EngineRunner
-
     limits = ServerLimits(
         max_body_bytes=a.max_body_bytes,
         request_timeout_s=a.request_timeout or None,
         max_requests=a.max_requests or None,
     )
-    runner = EngineRunner(config)
     try:
-        runner.start()
-        app = create_app(LocalBackend(runner), admin_token=admin_token, limits=limits, api_key=key)
+        code = asyncio.run(_serve(a, config, sock, admin_token, key, limits))
+    finally:
+        sock.close()
+    if code:
+        raise EngineUnavailable("the engine core exited; the server stopped (see the log above)")
+
+
+async def _serve(a, config: EngineConfig, sock, admin_token, key, limits) -> int:
+    """The API process: the engine core in a child process (ddserve.engine.core), this
+    process's event loop does HTTP, JSON and detokenisation only. Returns non-zero when the
+    core died under it (a supervisor restarts the whole server)."""
+    import uvicorn
+
+    from ddserve.api.app import create_app
+    from ddserve.backends.core import CoreBackend
+    from ddserve.engine.weights import load_tokenizer
+
+    died: list[str] = []
+    server: uvicorn.Server | None = None
+
+    def on_death(msg: str) -> None:
+        died.append(msg)
+        if server is not None:
+            server.should_exit = True
+
+    # the tokenizer loads here while the core loads the weights; the core's verdict on the
+    # model comes first (one message for a model that cannot be loaded, whatever the part)
+    tokenizer = asyncio.ensure_future(asyncio.to_thread(load_tokenizer, config.model))
+    try:
+        backend = await CoreBackend.start(config, None, timeout=3600, on_death=on_death)
+    except BaseException:
+        tokenizer.cancel()
+        await asyncio.gather(tokenizer, return_exceptions=True)
+        raise
+    try:
+        backend.tokenizer = await tokenizer
+    except BaseException:
+        await backend.aclose()
+        raise
+    try:
+        app = create_app(backend, admin_token=admin_token, limits=limits, api_key=key)
         print(
-            f"ddserve engine: {config.model_id} on http://{a.host}:{a.port} (fingerprint {runner.fingerprint}{', API key required' if key else ''})",
+            f"ddserve engine: {config.model_id} on http://{a.host}:{a.port} (fingerprint {backend.fingerprint}, engine core pid {backend.process.pid}{', API key required' if key else ''})",
             flush=True,
         )
         server = uvicorn.Server(
             uvicorn.Config(app, host=a.host, port=a.port, log_level=a.log_level, access_log=False)
         )
-        server.run(sockets=[sock])
+        if not died:
+            await server.serve(sockets=[sock])
     finally:
-        runner.shutdown()
-        sock.close()
+        await backend.aclose()
+    return 1 if died else 0
 
 
 def run_chat(a: argparse.Namespace) -> None:

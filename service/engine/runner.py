@@ -23,7 +23,7 @@ import os
 import sys
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 import torch
@@ -48,19 +48,33 @@ class StepOutput:
     stats: RequestStats  # the request's statistics so far
 
 
-class _Request:
-    def __init__(self, prompt: list[int], sampling: SamplingParams, loop):
+class EngineRequest:
+    """One request as the worker sees it. `deliver` hands a StepOutput or an exception to
+    whoever waits for it; subclasses say where (an asyncio queue in this process; the
+    engine core's per-round outbox, ddserve.engine.core)."""
+
+    def __init__(self, prompt: list[int], sampling: SamplingParams):
         self.prompt, self.sampling = prompt, sampling
         self.seq: Sequence | None = None  # made by the worker thread
         self.failed = False
-        self.loop = loop
-        self.queue: asyncio.Queue = asyncio.Queue()
         self.cancelled = False
         self.prefilled = False
 
     @property
     def finished(self) -> bool:
         return self.failed or (self.seq is not None and self.seq.finished)
+
+    def deliver(self, item: StepOutput | BaseException) -> None:
+        raise NotImplementedError
+
+
+class _AsyncRequest(EngineRequest):
+    """A request of `EngineRunner.generate`: outputs go to the caller's event loop."""
+
+    def __init__(self, prompt: list[int], sampling: SamplingParams, loop):
+        super().__init__(prompt, sampling)
+        self.loop = loop
+        self.queue: asyncio.Queue = asyncio.Queue()
 
     def deliver(self, item) -> None:
         try:
@@ -123,8 +137,11 @@ class EngineRunner:
         self.tokenizer = None
         self.max_context = 0
         self._fingerprint = ""
-        self._pending: list[_Request] = []
-        self._active: list[_Request] = []
+        self._pending: list[EngineRequest] = []
+        self._active: list[EngineRequest] = []
+        # called by the worker after every iteration (its rounds done, finished requests
+        # released): the engine core sends the iteration's outputs from here, once
+        self.on_iteration: Callable[[], None] | None = None
         self._cv = threading.Condition()
         self._stopping = False
         self._thread: threading.Thread | None = None
@@ -217,6 +234,17 @@ class EngineRunner:
     def load(self) -> dict:
         return {"running": len(self._active), "waiting": len(self._pending)}
 
+    def load_gauges(self) -> dict:
+        """The engine's load in the metric names of ddserve.api.observability.LOAD_GAUGES."""
+        total = self.config.max_batch
+        free = self.engine.free_slots if self.engine is not None else total
+        return {
+            "num_requests_running": len(self._active),
+            "num_requests_waiting": len(self._pending),
+            "kv_slots_used": total - free,
+            "kv_slots_total": total,
+        }
+
     # -- live parameters --------------------------------------------------------------
     def update_params(self, **changes) -> EngineConfig:
         """Validate and swap live parameters; in force for every round that starts after
@@ -232,16 +260,8 @@ class EngineRunner:
     async def generate(
         self, prompt: list[int], sampling: SamplingParams
     ) -> AsyncIterator[StepOutput]:
-        if not self.alive:
-            raise EngineUnavailable("engine is not running")
-        vocab = self.engine.model.cfg.vocab_size
-        if any(not 0 <= t < vocab for t in prompt):
-            raise InvalidRequest(f"token ids must be in [0, {vocab})", param="input_ids")
-        # the worker makes the sequence (its KV cache is a torch allocation: keep torch there)
-        req = _Request(prompt, sampling, asyncio.get_running_loop())
-        with self._cv:
-            self._pending.append(req)
-            self._cv.notify()
+        req = _AsyncRequest(prompt, sampling, asyncio.get_running_loop())
+        self.submit(req)
         try:
             while True:
                 item = await req.queue.get()
@@ -252,6 +272,26 @@ class EngineRunner:
                     return
         finally:
             req.cancelled = True
+
+    def check_prompt(self, prompt: list[int]) -> None:
+        vocab = self.engine.model.cfg.vocab_size
+        if any(not 0 <= t < vocab for t in prompt):
+            raise InvalidRequest(f"token ids must be in [0, {vocab})", param="input_ids")
+
+    def submit(self, req: EngineRequest) -> None:
+        """Queue a request for the worker (which makes its sequence: its KV slot is a torch
+        allocation, so torch stays in the worker thread). Cancel it with `req.cancelled`."""
+        if not self.alive:
+            raise EngineUnavailable("engine is not running")
+        self.check_prompt(req.prompt)
+        with self._cv:
+            self._pending.append(req)
+            self._cv.notify()
+
+    def wake(self) -> None:
+        """Make an idle worker look again (a request was cancelled from outside)."""
+        with self._cv:
+            self._cv.notify()
 
     async def check_health(self, timeout: float = 60.0) -> float:
         """A real generation of one token with the live sampling defaults (so a default that
@@ -303,6 +343,8 @@ class EngineRunner:
             for req in done:
                 if req.seq is not None:
                     self.engine.release(req.seq)
+            if self.on_iteration is not None:
+                self.on_iteration()
 
     def _room(self) -> int:
         """Pending requests that may start now: as many as the KV pool has free slots for
@@ -311,7 +353,7 @@ class EngineRunner:
         unprefilled = sum(1 for r in self._active if not r.prefilled)
         return max(0, free - unprefilled)
 
-    def _run_round(self, reqs: list[_Request], params: LiveParams, fingerprint: str) -> None:
+    def _run_round(self, reqs: list[EngineRequest], params: LiveParams, fingerprint: str) -> None:
         """One round of every request in `reqs`, their trees verified in one forward. New
         requests are prefilled first (continuous batching: join and leave between rounds)."""
         ready, joining = [], []
@@ -367,7 +409,7 @@ class EngineRunner:
             req.deliver(StepOutput(new, seq.finished, seq.finish_reason, fingerprint, seq.stats))
 
     @staticmethod
-    def _fail(req: _Request, exc: BaseException) -> None:
+    def _fail(req: EngineRequest, exc: BaseException) -> None:
         """Torch errors and EngineError alike end this request only."""
         log.error("request failed in the engine: %s", exc, exc_info=exc)
         err = exc if isinstance(exc, EngineError) else EngineError(f"engine failure: {exc}")

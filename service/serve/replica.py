@@ -29,6 +29,7 @@ from ray import serve
 from ddserve.api.app import create_app
 from ddserve.api.observability import MeteredBackend, drafter_depth
 from ddserve.api.text import encode
+from ddserve.backends.core import CoreBackend
 from ddserve.backends.process import EngineProcess
 from ddserve.backends.remote import RemoteBackend
 from ddserve.config.deploy import Autoscaling, ServeConfig
@@ -55,35 +56,28 @@ class EngineReplica:
         self.replica_id = _replica_id()
         self.node_ip = ray.util.get_node_ip_address()
         ecfg = self.cfg.engine
-        env = {}
-        if ecfg.kind == "sglang":
-            gpus = ray.get_gpu_ids()
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(str(int(g)) for g in gpus)
         self.log_path = os.path.join(tempfile.gettempdir(), f"ddserve-engine-{self.replica_id}.log")
-        self.engine = EngineProcess(
-            ecfg, admin_token=secrets.token_hex(16), log_path=self.log_path, env=env
-        )
-        self.engine.start()
         self.attempt, self.verified_at, self.healthy_at = "", 0.0, 0.0
+        self.engine = None
         self._publish(ReplicaState.STARTING)
         try:
-            await asyncio.to_thread(self.engine.wait_ready, self.cfg.health.engine_start_timeout_s)
             from ddserve.engine.weights import load_tokenizer
 
             spec = (
                 (ecfg.sglang.tokenizer_path or ecfg.model) if ecfg.kind == "sglang" else ecfg.model
             )
             tokenizer = await asyncio.to_thread(load_tokenizer, spec)
+            inner = await self._start_engine(ecfg, tokenizer)
             self.backend = MeteredBackend(
-                RemoteBackend.for_config(
-                    self.engine.url, ecfg, tokenizer, admin_token=self.engine.admin_token
-                ),
+                inner,
                 RayExporter(ecfg.model_id),
                 drafter_depth=drafter_depth(ecfg.drafter.model_dump()),
+                load=getattr(inner, "load_gauges", None),
             )
             await self.backend.refresh()
         except BaseException as exc:
-            self.engine.stop()
+            if self.engine is not None:
+                self.engine.stop()
             self._publish(ReplicaState.FAILED, f"engine start: {getattr(exc, 'message', exc)}")
             self._keep_record = True  # __del__ runs next; the controller needs this reason
             raise
@@ -95,6 +89,28 @@ class EngineReplica:
             self.engine.pid,
             self.engine.url,
             self.backend.fingerprint,
+        )
+
+    async def _start_engine(self, ecfg, tokenizer):
+        """The builtin engine: an engine core process on a private ZeroMQ channel (token ids
+        in, token ids out, once per round; no second HTTP hop). SGLang: its own HTTP server
+        on a loopback port, on the GPUs Ray gave this replica."""
+        timeout = self.cfg.health.engine_start_timeout_s
+        if ecfg.kind == "builtin":
+            backend = await CoreBackend.start(
+                ecfg, tokenizer, timeout=timeout, log_path=self.log_path
+            )
+            self.engine = backend.process
+            return backend
+        gpus = ray.get_gpu_ids()
+        env = {"CUDA_VISIBLE_DEVICES": ",".join(str(int(g)) for g in gpus)}
+        self.engine = EngineProcess(
+            ecfg, admin_token=secrets.token_hex(16), log_path=self.log_path, env=env
+        )
+        self.engine.start()
+        await asyncio.to_thread(self.engine.wait_ready, timeout)
+        return RemoteBackend.for_config(
+            self.engine.url, ecfg, tokenizer, admin_token=self.engine.admin_token
         )
 
     async def reconfigure(self, user_config: dict) -> None:
@@ -169,8 +185,8 @@ class EngineReplica:
                 node_id=ctx.get_node_id(),
                 actor=ctx.get_actor_name() or "",
                 engine=self.cfg.engine.kind,
-                engine_url=self.engine.url,
-                engine_pid=self.engine.pid,
+                engine_url=self.engine.url if self.engine else "",
+                engine_pid=self.engine.pid if self.engine else None,
                 fingerprint=b.fingerprint if b else "",
                 params=b.params.model_dump() if b else {},
                 attempt=self.attempt,
@@ -184,9 +200,13 @@ class EngineReplica:
         """Keeps the metric gauges fresh (the engine's load read from its /metrics), and: an
         engine that exits takes its replica with it at once, so the proxy stops routing here
         within a second instead of at the next health check."""
+        builtin = self.cfg.engine.kind == "builtin"
         async with httpx.AsyncClient() as client:
             while self.engine.alive():
-                self.backend.refresh_gauges(await poll_engine_load(client, self.engine.url))
+                if builtin:  # the core sends its load with every round
+                    self.backend.refresh_gauges()
+                else:
+                    self.backend.refresh_gauges(await poll_engine_load(client, self.engine.url))
                 await asyncio.sleep(0.5)
         msg = f"engine process {self.engine.pid} exited with code {self.engine.proc.returncode}"
         log.error("%s; stopping replica %s so Serve replaces it", msg, self.replica_id)

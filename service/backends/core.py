@@ -1,0 +1,381 @@
+"""`CoreBackend`: the Backend protocol (ddserve.api.backend) over an engine core process
+(ddserve.engine.core) and its ZeroMQ channel (ddserve.engine.ipc).
+
+The engine server (`ddserve engine`) and the Ray replica both serve the builtin engine this
+way: the scheduler runs in its own process, this side turns token ids into text
+(incrementally, ddserve.api.text.Detokenizer) and SSE. Streams coalesce: a reader waiting
+on its queue takes every output that arrived meanwhile in one Delta, so a client that reads
+slower than the engine decodes gets bigger chunks, never a backlog, and no timer delays a
+token.
+
+An engine core that exits fails every request in flight with EngineUnavailable within
+`WATCH_S`, and calls `on_death` (the engine server exits; a replica dies and Serve replaces
+it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+
+import zmq
+import zmq.asyncio
+
+from ddserve.api.generation import Delta
+from ddserve.api.text import Detokenizer
+from ddserve.backends.process import NOT_INHERITED, _die_with_parent
+from ddserve.config.engine import EngineConfig, LiveParams
+from ddserve.engine import ipc
+from ddserve.engine.sampling import RequestStats, SamplingParams
+from ddserve.errors import EngineError, EngineUnavailable, error_from_body
+
+log = logging.getLogger(__name__)
+
+WATCH_S = 0.1  # how often the core process is checked for life
+
+
+class CoreProcess:
+    """Start, watch and stop one engine core process (the same surface as EngineProcess:
+    `pid`, `proc`, `alive()`, `stop()`; `url` names its channel)."""
+
+    def __init__(
+        self, cfg: EngineConfig, *, log_path: str | Path | None = None, env: dict | None = None
+    ):
+        self.cfg = cfg
+        self.dir = tempfile.mkdtemp(prefix="ddserve-core-")  # 0700: the sockets are private
+        self.in_addr = f"ipc://{self.dir}/in"
+        self.out_addr = f"ipc://{self.dir}/out"
+        self.url = f"ipc://{self.dir}"
+        self.log_path = Path(log_path) if log_path else None
+        self.env = env
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc else None
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def start(self) -> None:
+        env = {k: v for k, v in os.environ.items() if k not in NOT_INHERITED}
+        env |= self.env or {}
+        env[ipc.CONFIG_ENV] = self.cfg.model_dump_json()
+        out = open(self.log_path, "ab") if self.log_path else None  # noqa: SIM115
+        cmd = [sys.executable, "-m", "ddserve.engine.core", self.in_addr, self.out_addr]
+        try:
+            self.proc = subprocess.Popen(
+                cmd,
+                stdout=out,
+                stderr=subprocess.STDOUT if out else None,
+                env=env,
+                preexec_fn=_die_with_parent,
+            )
+        except OSError as exc:
+            raise EngineUnavailable(f"cannot start the engine core: {exc}") from exc
+
+    def stop(self, grace_s: float = 20.0) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            try:  # its process group: compile workers and the like go with it
+                os.killpg(self.proc.pid, signal.SIGTERM)
+                self.proc.wait(grace_s)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(5)
+            except ProcessLookupError:
+                pass
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def wait(self, timeout: float) -> None:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout)
+
+    def log_tail(self) -> str:
+        if not self.log_path or not self.log_path.exists():
+            return ""
+        lines = self.log_path.read_text(errors="replace").strip().splitlines()
+        return " | ".join(lines[-3:])[-500:]
+
+
+class _Stream:
+    """One request's view: its queue of entries, and statistics counted on this side (the
+    engine's own arrive with the finish)."""
+
+    __slots__ = ("queue", "stats")
+
+    def __init__(self, prompt_len: int):
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.stats = RequestStats(prompt_tokens=prompt_len)
+
+
+class CoreBackend:
+    kind = "builtin"
+
+    def __init__(
+        self,
+        process: CoreProcess,
+        tokenizer,
+        *,
+        on_death: Callable[[str], None] | None = None,
+    ):
+        self.process = process
+        self.tokenizer = tokenizer
+        self.on_death = on_death
+        self.model_id = process.cfg.model_id
+        self.params: LiveParams = process.cfg.params
+        self.config: dict = process.cfg.model_dump(mode="json")
+        self.fingerprint = process.cfg.fingerprint()
+        self.max_context = process.cfg.max_context or 2048
+        self.last_success = 0.0  # monotonic time of the last request that completed
+        self._info: dict = {}
+        self._load: dict = {}
+        self._streams: dict[int, _Stream] = {}
+        self._calls: dict[int, asyncio.Future] = {}
+        self._ids = itertools.count(1)
+        self._dead: EngineUnavailable | None = None
+        self._tasks: list[asyncio.Task] = []
+        self._ctx = zmq.asyncio.Context()
+        self._push = self._ctx.socket(zmq.PUSH)
+        self._pull = self._ctx.socket(zmq.PULL)
+        self._push.setsockopt(zmq.SNDHWM, 0)
+        self._pull.setsockopt(zmq.RCVHWM, 0)
+        self._push.setsockopt(zmq.LINGER, 0)
+
+    @property
+    def url(self) -> str:
+        return self.process.url
+
+    # -- start-up -----------------------------------------------------------------------
+    @classmethod
+    async def start(
+        cls,
+        cfg: EngineConfig,
+        tokenizer,
+        *,
+        timeout: float,
+        log_path: str | Path | None = None,
+        env: dict | None = None,
+        on_death: Callable[[str], None] | None = None,
+    ) -> CoreBackend:
+        """Start a core process and wait until it is ready (weights loaded, warmed up, a real
+        generation done); its start-up error is raised here as what it is."""
+        process = CoreProcess(cfg, log_path=log_path, env=env)
+        backend = cls(process, tokenizer, on_death=on_death)
+        process.start()
+        try:
+            await backend._connect(timeout)
+        except BaseException:
+            await backend.aclose()
+            raise
+        return backend
+
+    async def _connect(self, timeout: float) -> None:
+        self._push.connect(self.process.in_addr)
+        self._pull.connect(self.process.out_addr)
+        deadline = time.monotonic() + timeout
+        while True:
+            if await self._pull.poll(200):
+                msg = ipc.unpack(await self._pull.recv())
+                if msg[0] == ipc.FAILED:  # it exits by itself: let it
+                    await asyncio.to_thread(self.process.wait, 10)
+                    raise ipc.error_from_wire(*msg[1:4])
+                if msg[0] == ipc.READY:
+                    self._ready(msg[1])
+                    break
+            if not self.process.alive():
+                tail = self.process.log_tail()
+                raise EngineUnavailable(
+                    f"engine core exited with code {self.process.proc.returncode} before it was ready"
+                    + (f" ({tail})" if tail else "")
+                )
+            if time.monotonic() > deadline:
+                raise EngineUnavailable(f"engine core not ready within {timeout:.0f}s")
+        loop = asyncio.get_running_loop()
+        self._tasks = [loop.create_task(self._read()), loop.create_task(self._watch())]
+
+    def _ready(self, info: dict) -> None:
+        self._info = info
+        self.config = info["config"]
+        self.params = LiveParams.model_validate(info["config"]["params"])
+        self.fingerprint = info["fingerprint"]
+        self.max_context = info["max_context"]
+
+    # -- the channel --------------------------------------------------------------------
+    async def _read(self) -> None:
+        while True:
+            msg = ipc.unpack(await self._pull.recv())
+            kind = msg[0]
+            if kind == ipc.OUTPUTS:
+                _, self.fingerprint, entries, self._load = msg
+                for entry in entries:
+                    s = self._streams.get(entry[0])
+                    if s is not None:
+                        s.queue.put_nowait(entry)
+            elif kind == ipc.REPLY:
+                fut = self._calls.pop(msg[1], None)
+                if fut is not None and not fut.done():
+                    fut.set_result((msg[2], msg[3]))
+
+    async def _watch(self) -> None:
+        while self.process.alive():
+            await asyncio.sleep(WATCH_S)
+        code = self.process.proc.returncode
+        msg = f"engine core process {self.process.pid} exited with code {code}"
+        log.error("%s; failing %d requests in flight", msg, len(self._streams))
+        self._dead = EngineUnavailable(msg)
+        for s in self._streams.values():
+            s.queue.put_nowait(self._dead)
+        for fut in self._calls.values():
+            if not fut.done():
+                fut.set_exception(self._dead)
+        self._calls.clear()
+        if self.on_death is not None:
+            self.on_death(msg)
+
+    def alive(self) -> bool:
+        return self._dead is None and self.process.alive()
+
+    async def _call(self, method: str, args: dict, timeout: float = 60.0):
+        if self._dead is not None:
+            raise self._dead
+        call_id = next(self._ids)
+        fut = asyncio.get_running_loop().create_future()
+        self._calls[call_id] = fut
+        await self._push.send(ipc.pack([ipc.CALL, call_id, method, args]))
+        try:
+            status, payload = await asyncio.wait_for(fut, timeout)
+        except TimeoutError as exc:
+            self._calls.pop(call_id, None)
+            raise EngineUnavailable(
+                f"engine core did not answer {method} in {timeout:.0f}s"
+            ) from exc
+        if status != 200:
+            raise error_from_body(status, payload)
+        return payload
+
+    # -- Backend ------------------------------------------------------------------------
+    async def stream(self, prompt: list[int], sampling: SamplingParams) -> AsyncIterator[Delta]:
+        if self._dead is not None:
+            raise self._dead
+        rid = next(self._ids)
+        s = self._streams[rid] = _Stream(len(prompt))
+        detok = Detokenizer(self.tokenizer, sampling.stop)
+        finished = False
+        try:
+            await self._push.send(ipc.pack([ipc.ADD, rid, prompt, ipc.sampling_to_wire(sampling)]))
+            while True:
+                entries = [await s.queue.get()]
+                while not s.queue.empty():  # coalesce: everything that is here already
+                    entries.append(s.queue.get_nowait())
+                ids: list[int] = []
+                finish, error = None, None
+                for e in entries:
+                    if isinstance(e, BaseException):
+                        error = e
+                        break
+                    _, new, reason, stats, err = e
+                    if err is not None:
+                        error = error_from_body(err[0], err[1])
+                        break
+                    ids.extend(new)
+                    if new:
+                        s.stats.verify_rounds += 1
+                        s.stats.completion_tokens += len(new)
+                        s.stats.accept_lengths.append(len(new))
+                    if reason is not None:
+                        finish = reason
+                        if stats is not None:
+                            s.stats = ipc.stats_from_wire(stats)
+                        break
+                text = detok.push(ids) if ids else ""
+                if error is not None:
+                    finished = True  # the engine has let go of it
+                    if text or ids:
+                        yield Delta(text, ids, self.fingerprint)
+                    raise error
+                if detok.stopped:  # a stop string ended it; the abort below frees the slot
+                    yield Delta(text, ids, self.fingerprint, "stop", s.stats)
+                    return
+                if finish is not None:
+                    finished = True
+                    self.last_success = time.monotonic()
+                    yield Delta(text + detok.flush(), ids, self.fingerprint, finish, s.stats)
+                    return
+                if text or ids:
+                    yield Delta(text, ids, self.fingerprint)
+        finally:
+            self._streams.pop(rid, None)
+            if not finished and self._dead is None:
+                with contextlib.suppress(zmq.ZMQError):
+                    self._push.send(ipc.pack([ipc.ABORT, rid]), zmq.NOBLOCK)
+
+    async def check_health(self, timeout: float = 60.0) -> float:
+        """A real generation of one token with the live sampling defaults."""
+        t0 = time.monotonic()
+        p = self.params
+        sampling = SamplingParams(
+            temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, max_tokens=1, ignore_eos=True
+        )
+
+        async def one() -> int:
+            n = 0
+            async for d in self.stream([0], sampling):
+                n += len(d.token_ids)
+            return n
+
+        try:
+            n = await asyncio.wait_for(one(), timeout)
+        except TimeoutError as exc:
+            raise EngineUnavailable(
+                f"health generation did not finish within {timeout:.0f}s"
+            ) from exc
+        if n < 1:
+            raise EngineError("health generation returned no token")
+        return time.monotonic() - t0
+
+    async def refresh(self) -> None:
+        self._ready(await self._call("info", {}))
+
+    async def update_params(self, changes: dict) -> dict:
+        result = await self._call("update_params", changes)
+        self._ready(result["info"])
+        return {"params": self.params.model_dump(), "system_fingerprint": self.fingerprint}
+
+    def load_gauges(self) -> dict:
+        return dict(self._load)
+
+    def info(self) -> dict:
+        load = self._load
+        return {
+            "engine": "builtin",
+            "model": self.model_id,
+            "config": self.config,
+            "system_fingerprint": self.fingerprint,
+            "max_context": self.max_context,
+            "load": {
+                "running": load.get("num_requests_running", 0),
+                "waiting": load.get("num_requests_waiting", 0),
+            },
+            "load_s": self._info.get("load_s", 0.0),
+            "started_at": self._info.get("started_at", 0.0),
+            "engine_pid": self.process.pid,
+        }
+
+    async def aclose(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.to_thread(self.process.stop)
+        self._push.close(0)
+        self._pull.close(0)
+        self._ctx.term()
