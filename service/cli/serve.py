@@ -49,7 +49,7 @@ def run_up(a: argparse.Namespace) -> None:
     cfg = load_config(a.config)
     admin_token = cfg.admin_token  # an empty or unreadable token stops here, before deploying
     key = cfg.api_key  # likewise the API key
-    connect(a.address, start=True, num_cpus=a.num_cpus)  # before anything imports ray
+    connect(a.address, start=True, num_cpus=a.num_cpus, ingress=cfg.http.ingress)  # before ray
     from ray import serve
 
     from ddserve.serve.replica import build_app

@@ -15,6 +15,7 @@ names the field, the value and what is allowed.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 import yaml
 from pydantic import Field, model_validator
@@ -42,6 +43,10 @@ class Autoscaling(_Frozen):
 class HTTPConfig(_Frozen):
     host: str = Field("127.0.0.1", description="Address of Serve's HTTP proxy.")
     port: int = Field(8000, ge=1, le=65535, description="Port of Serve's HTTP proxy.")
+    ingress: Literal["proxy", "haproxy"] = Field(
+        "proxy",
+        description="Serve's HTTP ingress on a Ray head that `ddserve up` starts: `proxy` (Serve's Python proxy) or `haproxy` (Ray's HAProxy ingress with its throughput-optimised data plane: RAY_SERVE_ENABLE_HA_PROXY, RAY_SERVE_THROUGHPUT_OPTIMIZED). A cluster started elsewhere keeps the ingress it was started with.",
+    )
 
 
 class HealthConfig(_Frozen):

@@ -56,11 +56,19 @@ def _local_cluster_address() -> str | None:
     return next((a for a in candidates if a and _answers(a)), None)
 
 
-def connect(address: str | None, *, start: bool, num_cpus: int | None = None) -> None:
+# Ray 2.60's switches for the HAProxy ingress (read by the Serve controller and proxies the
+# head starts: they must be in the head's environment)
+HAPROXY_ENV = {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"}
+
+
+def connect(
+    address: str | None, *, start: bool, num_cpus: int | None = None, ingress: str = "proxy"
+) -> None:
     """Connect to Ray (once per process); with `start`, start a local head when none runs.
     A local cluster binds to loopback unless DDSERVE_RAY_LOOPBACK=0 (a laptop's Ray is not
     a network service). Call it before anything imports ray: Ray reads these variables at
-    import."""
+    import. `ingress="haproxy"`: a head started here serves HTTP through Ray's HAProxy
+    ingress (a running cluster keeps its own)."""
     if "ray" in sys.modules and sys.modules["ray"].is_initialized():
         return
     loopback = address is None and os.environ.get("DDSERVE_RAY_LOOPBACK", "1") == "1"
@@ -84,6 +92,8 @@ def connect(address: str | None, *, start: bool, num_cpus: int | None = None) ->
             raise EngineUnavailable(f"no Ray cluster at {found}: {exc}") from exc
     if not start:
         raise EngineUnavailable("no Ray cluster runs on this machine; run `ddserve up` first")
+    if ingress == "haproxy":
+        os.environ.update(HAPROXY_ENV)  # inherited by `ray start` below
     ray.init(address=start_head(num_cpus, loopback), logging_level="ERROR", log_to_driver=False)
 
 
