@@ -1,0 +1,102 @@
+#!/usr/bin/env bash
+# The serving path side by side, one machine, one run (issue 13): the same engine config
+# (SmolLM2-135M + its DFlash drafter, budget 16 / topk 4 and budget 0 = AR, spec_max_batch 2)
+# measured three ways at the same concurrency levels, the same prompts and answer lengths:
+#   inproc  the engine runner in the load generator's process (no HTTP): python -m ddserve.bench.engine_load
+#   http    `ddserve engine` (API process + engine core process) + `ddserve bench`
+#   ray     `ddserve up` (Serve, one replica; http.ingress proxy and haproxy) + `ddserve bench`
+# AR is the same engine with budget 0 (`/admin/params`, `ddserve reconfig set`), so every
+# path runs the same weights and graphs.
+#
+#   bench/serving_path.sh OUT [inproc] [http] [ray-proxy] [ray-haproxy]
+# env: PY (python), LEVELS (1,16,64,128), REQ (requests per level, at least 2C is used),
+#      DEVICE (cuda), MAXB (KV slots: the largest level), PROMPTS (mixed)
+# then: python -m ddserve.bench.serving_path_report OUT   (table, JSON, PNG)
+set -u
+out=$1
+shift
+parts=${*:-inproc http ray-proxy ray-haproxy}
+py=${PY:-python3}
+levels=${LEVELS:-1,16,64,128}
+req=${REQ:-128}
+device=${DEVICE:-cuda}
+maxb=${MAXB:-128}
+prompts=${PROMPTS:-mixed}
+tokens=${TOKENS:-128}
+export DDSERVE_ADMIN_TOKEN=${DDSERVE_ADMIN_TOKEN:-serving-path-bench}
+mkdir -p "$out"
+bench_flags="--concurrency $levels --requests $req --max-tokens $tokens --prompts $prompts --no-progress"
+
+wait_url() {  # until a real answer on /v1/models
+    $py - "$1" <<'PY'
+import sys, time, httpx
+for _ in range(1200):
+    try:
+        httpx.get(sys.argv[1] + "/v1/models", timeout=1).raise_for_status()
+        sys.exit(0)
+    except httpx.HTTPError:
+        time.sleep(0.5)
+sys.exit(1)
+PY
+}
+
+for part in $parts; do
+    SECONDS=0
+    case $part in
+    inproc)
+        $py -m ddserve.bench.engine_load --device "$device" --configs dflash-b16k4,dflash-b0 \
+            --spec-max-batch 2 --concurrency "$levels" --requests "$req" --max-tokens "$tokens" \
+            --prompt-set "$prompts" --name inproc --out "$out"
+        ;;
+    http)
+        port=30111
+        $py -m ddserve engine --port $port --device "$device" --drafter dflash --budget 16 --topk 4 \
+            --max-batch "$maxb" --spec-max-batch 2 >"$out/http-engine.log" 2>&1 &
+        pid=$!
+        if wait_url "http://127.0.0.1:$port"; then
+            echo "http: engine ready after ${SECONDS}s"
+            $py -m ddserve bench --url "http://127.0.0.1:$port" --out "$out/http-b16k4" $bench_flags
+            $py - $port <<'PY'
+import os, sys, httpx
+r = httpx.post(f"http://127.0.0.1:{sys.argv[1]}/admin/params", json={"budget": 0},
+               headers={"Authorization": "Bearer " + os.environ["DDSERVE_ADMIN_TOKEN"]})
+print("budget 0:", r.status_code, r.text[:200])
+PY
+            $py -m ddserve bench --url "http://127.0.0.1:$port" --out "$out/http-b0" $bench_flags
+        else
+            echo "http: engine did not come up"; tail -5 "$out/http-engine.log"
+        fi
+        kill $pid; wait $pid 2>/dev/null
+        ;;
+    ray-proxy | ray-haproxy)
+        ingress=${part#ray-}
+        cfg="$out/$part.yaml"
+        cat >"$cfg" <<EOF
+name: bench
+engine:
+  kind: builtin
+  model: smollm2-135m
+  drafter: {kind: dflash, depth: 8}
+  params: {budget: 16, topk: 4, window: 2048, temperature: 0.0, top_p: 1.0, top_k: 0}
+  device: $device
+  max_batch: $maxb
+  spec_max_batch: 2
+replicas: 1
+max_ongoing_requests: $((2 * maxb))
+cpus_per_replica: 1
+http: {host: 127.0.0.1, port: 8000, ingress: $ingress}
+health: {period_s: 10, timeout_s: 120, recent_traffic_s: 10, engine_start_timeout_s: 900}
+EOF
+        if $py -m ddserve up --config "$cfg" >"$out/$part-up.log" 2>&1; then
+            echo "$part: ready after ${SECONDS}s"
+            $py -m ddserve bench --url http://127.0.0.1:8000 --out "$out/$part-b16k4" $bench_flags
+            $py -m ddserve reconfig set budget=0 --config "$cfg" >>"$out/$part-up.log" 2>&1
+            $py -m ddserve bench --url http://127.0.0.1:8000 --out "$out/$part-b0" $bench_flags
+        else
+            echo "$part: up failed"; tail -5 "$out/$part-up.log"
+        fi
+        $py -m ddserve down --config "$cfg" --stop-ray >>"$out/$part-up.log" 2>&1
+        ;;
+    esac
+    echo "$part done in ${SECONDS}s"
+done
