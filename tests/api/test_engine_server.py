@@ -8,6 +8,9 @@ import time
 import httpx
 import openai
 import pytest
+from transformers import AutoTokenizer
+
+from tests.api.conftest import HF_KEY
 
 ADMIN = {"Authorization": "Bearer s3cret"}
 JSON = {"content-type": "application/json"}
@@ -369,3 +372,25 @@ def test_list_prompts_out_of_bounds_are_refused_naming_prompt(client, prompt, sa
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model=MODEL, prompt=prompt, max_tokens=2)
     assert e.value.body["param"] == "prompt" and says in e.value.body["message"]
+
+
+def test_a_hugging_face_model_directory_serves_chat_with_its_template(hf_engine):
+    """`--model DIR` (the directory as transformers wrote it) serves the OpenAI API with the
+    directory's chat template; --access-log and --stats-interval reach the server."""
+    eng, directory = hf_engine
+    messages = [{"role": "user", "content": "Write a haiku"}]
+    tokenizer = AutoTokenizer.from_pretrained(directory)
+    expected = tokenizer.apply_chat_template(messages, add_generation_prompt=True)["input_ids"]
+    client = openai.OpenAI(base_url=eng.url + "/v1", api_key=HF_KEY, max_retries=0)
+    r = client.chat.completions.create(
+        model=str(directory), messages=messages, max_tokens=8, temperature=0
+    )
+    assert r.choices[0].message.content is not None and r.usage.completion_tokens >= 1
+    assert r.usage.prompt_tokens == len(expected)
+    log = eng.log_path.read_text()
+    assert '"POST /v1/chat/completions HTTP/1.1" 200' in log  # --access-log
+    deadline = time.monotonic() + 5
+    while "engine stats:" not in log and time.monotonic() < deadline:  # --stats-interval 0.2
+        time.sleep(0.2)
+        log = eng.log_path.read_text()
+    assert "engine stats:" in log
