@@ -86,6 +86,19 @@ def test_served_model_name_and_its_old_alias():
         assert engine_config_of(a).served_name == "my-model"
 
 
+def test_access_log_and_stats_interval_flags_fall_back_to_their_variables():
+    """Unset, both are None: create_app then reads DDSERVE_ACCESS_LOG / DDSERVE_STATS_INTERVAL
+    (served end to end in tests/api: test_a_hugging_face_model_directory_serves_chat...)."""
+    parser = build_parser()
+    a = parser.parse_args(["engine"])
+    assert a.access_log is None and a.stats_interval is None
+    a = parser.parse_args(["engine", "--access-log", "--stats-interval", "2.5"])
+    assert a.access_log is True and a.stats_interval == 2.5
+    assert parser.parse_args(["engine", "--no-access-log"]).access_log is False
+    line = one_line(ddserve("engine", "--stats-interval", "-1"), 2)
+    assert "argument --stats-interval: -1 is not a duration" in line
+
+
 def test_clients_of_a_closed_port_fail_in_one_line():
     port = free_port()
     line = one_line(ddserve("chat", "hi", "--url", f"http://127.0.0.1:{port}"), 4)

@@ -31,7 +31,14 @@ from starlette.exceptions import HTTPException
 from ddserve.api import openai_format as fmt
 from ddserve.api.auth import ApiKeyAuth
 from ddserve.api.backend import Backend
-from ddserve.api.generation import accept_histogram, complete, resolve_sampling
+from ddserve.api.generation import (
+    accept_histogram,
+    complete,
+    complete_all,
+    interleave,
+    merged_stats,
+    resolve_sampling,
+)
 from ddserve.api.http_errors import ERRORS, error_response, http_error, validation_message
 from ddserve.api.limits import (
     Admission,
@@ -229,8 +236,12 @@ def create_app(
 
     async def complete_for(request: Request, prompt: list[int], sp, deadline):
         """The whole completion, or None when the client left (its generation cancelled)."""
+        return await finish_for(request, complete(backend, prompt, sp), deadline)
+
+    async def finish_for(request: Request, work, deadline):
+        """`work` (generations) awaited, or None when the client left (it is cancelled)."""
         try:
-            return await guarded(request, complete(backend, prompt, sp), deadline)
+            return await guarded(request, work, deadline)
         except ClientDisconnected:
             totals["client_disconnects"] += 1
             log.info("client of %s left; its generation was cancelled", request.url.path)
@@ -319,42 +330,71 @@ def create_app(
 
     @app.post("/v1/completions", dependencies=[Depends(admit)], responses=ERRORS)
     async def completions(req: CompletionRequest, request: Request):
+        """One choice per prompt (a list of prompts: each its own engine request, all at
+        once; streamed interleaved as they come, each chunk with its choice's index)."""
         deadline = deadline_of(limits)
         check_model(req.model)
-        if isinstance(req.prompt, str):
-            check_text(len(req.prompt), "prompt")
-        prompt = (
-            list(req.prompt)
-            if isinstance(req.prompt, list)
-            else await asyncio.to_thread(encode, backend.tokenizer, req.prompt)
-        )
-        sp = openai_sampling(req, prompt)
-        rid = fmt.new_id("cmpl")
-        prefix = req.prompt if (req.echo and isinstance(req.prompt, str)) else ""
-        if not req.stream:
-            c = await complete_for(request, prompt, sp, deadline)
-            if c is None:
-                return Response(status_code=CLIENT_CLOSED)
-            record(c.stats)
-            return fmt.completion_response(
-                rid, model_id, prefix + c.text, c.finish_reason, c.fingerprint, c.stats
+        texts = req.prompts
+        for text in texts:
+            if isinstance(text, str):
+                check_text(len(text), "prompt")
+        if limits.max_requests and len(texts) > limits.max_requests:
+            raise InvalidRequest(
+                f"{len(texts)} prompts; this server runs at most {limits.max_requests} "
+                "generations at once (`ddserve engine --max-requests`)",
+                param="prompt",
             )
 
+        def echo_of(t: str | list[int]) -> str:
+            """The prompt echoed before its completion (token ids as their text)."""
+            if not req.echo or (isinstance(t, list) and backend.tokenizer is None):
+                return ""
+            return t if isinstance(t, str) else backend.tokenizer.decode(t)
+
+        def tokenize() -> tuple[list[list[int]], list[str]]:
+            ids = [t if isinstance(t, list) else encode(backend.tokenizer, t) for t in texts]
+            return ids, [echo_of(t) for t in texts]
+
+        prompts, echoes = await asyncio.to_thread(tokenize)  # off the event loop
+        sps = [openai_sampling(req, p) for p in prompts]
+        rid = fmt.new_id("cmpl")
+        extra = len(prompts) - 1  # `admit` counted the first
+        admission.enter(extra)
+        if not req.stream:
+            try:
+                done = await finish_for(request, complete_all(backend, prompts, sps), deadline)
+            finally:
+                admission.leave(extra)
+            if done is None:
+                return Response(status_code=CLIENT_CLOSED)
+            for c in done:
+                record(c.stats)
+            choices = [(e + c.text, c.finish_reason) for e, c in zip(echoes, done, strict=True)]
+            stats = merged_stats([c.stats for c in done])
+            return fmt.completion_response(rid, model_id, choices, done[0].fingerprint, stats)
+
         async def chunks():
-            created = int(time.time())
-            async for d in stream_of(prompt, sp, deadline):
-                if d.text or d.finish_reason is not None:
+            created, finished = int(time.time()), []
+            streams = [stream_of(p, sp, deadline) for p, sp in zip(prompts, sps, strict=True)]
+            try:
+                async for i, d in interleave(streams):
+                    text = echoes[i] + d.text
+                    echoes[i] = ""
+                    if not text and d.finish_reason is None:
+                        continue
                     chunk = fmt.completion_chunk(
-                        rid, model_id, created, d.fingerprint, d.text, d.finish_reason
+                        rid, model_id, created, d.fingerprint, text, d.finish_reason, index=i
                     )
                     if d.finish_reason is not None:
                         record(d.stats)
-                        chunk["usage"], chunk["ddtree"] = (
-                            fmt.usage(d.stats),
-                            fmt.ddtree_ext(d.stats),
-                        )
+                        finished.append(d.stats)
+                        chunk["ddtree"] = fmt.ddtree_ext(d.stats)
+                        if len(finished) == len(prompts):  # the last choice: the request's usage
+                            chunk["usage"] = fmt.usage(merged_stats(finished))
                     yield fmt.sse(chunk)
-            yield fmt.sse("[DONE]")
+                yield fmt.sse("[DONE]")
+            finally:
+                admission.leave(extra)
 
         return await sse_response(chunks())
 

@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import time
 from collections import Counter
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from ddserve.engine.sampling import RequestStats, SamplingParams
 from ddserve.errors import ContextLengthExceeded, InvalidRequest
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -94,3 +100,70 @@ async def complete(backend, prompt: list[int], sampling: SamplingParams) -> Comp
 def accept_histogram(stats: RequestStats | None) -> dict[str, int]:
     """{tokens committed in a round: rounds} of one request (per-round acceptance lengths)."""
     return {str(k): v for k, v in sorted(Counter(stats.accept_lengths).items())} if stats else {}
+
+
+async def complete_all(backend, prompts: list[list[int]], samplings: list) -> list[Completion]:
+    """Every prompt as its own engine request, all at once (one task each); the first failure
+    cancels the others and is raised. Cancelling this cancels every request."""
+    tasks = [
+        asyncio.ensure_future(complete(backend, p, sp))
+        for p, sp in zip(prompts, samplings, strict=True)
+    ]
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        for t in tasks:
+            if t.done() and t.exception() is not None:
+                raise t.exception()
+        return [t.result() for t in tasks]
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def interleave(streams: list[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]:
+    """(index of its stream, item) for the items of several streams, in the order they come
+    (as vLLM streams a list of prompts). Each stream is pumped by a task of its own, so every
+    one is its own engine request, all at once; the first error cancels the others and is
+    raised; a consumer that stops early cancels them all."""
+    queue: asyncio.Queue = asyncio.Queue()
+    ended = object()
+
+    async def pump(i: int, stream: AsyncIterator[T]) -> None:
+        async with contextlib.aclosing(stream):
+            async for item in stream:
+                queue.put_nowait((i, item))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    for t in tasks:
+        t.add_done_callback(lambda t: queue.put_nowait((ended, t)))
+    try:
+        live = len(tasks)
+        while live:
+            i, item = await queue.get()
+            if i is ended:
+                live -= 1
+                if not item.cancelled() and item.exception() is not None:
+                    raise item.exception()
+                continue
+            yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def merged_stats(stats: list[RequestStats | None]) -> RequestStats:
+    """The statistics of several requests together (one response's usage and `ddtree`)."""
+    total = RequestStats()
+    for s in stats:
+        if s is None:
+            continue
+        total.prompt_tokens += s.prompt_tokens
+        total.completion_tokens += s.completion_tokens
+        total.verify_rounds += s.verify_rounds
+        total.draft_s += s.draft_s
+        total.verify_s += s.verify_s
+        total.prefill_s += s.prefill_s
+        total.accept_lengths.extend(s.accept_lengths)
+    return total

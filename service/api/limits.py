@@ -143,25 +143,27 @@ async def _drain(receive, *, more: bool) -> None:
 
 
 class Admission:
-    """Counts generation requests in flight; `enter` refuses one over the limit (429)."""
+    """Counts generation requests in flight; `enter` refuses any over the limit (429). A
+    completions request with n prompts is n generations."""
 
     def __init__(self, limit: int | None, retry_after_s: int):
         self.limit = limit
         self.retry_after_s = retry_after_s
         self.active = 0
 
-    def enter(self) -> None:
-        if self.limit is not None and self.active >= self.limit:
+    def enter(self, n: int = 1) -> None:
+        if self.limit is not None and self.active + n > self.limit:
+            more = f" and this request needs {n} more" if n > 1 else ""
             exc = Overloaded(
-                f"the server has {self.active} requests in flight, its limit "
-                f"(`ddserve engine --max-requests`); retry after {self.retry_after_s}s"
+                f"the server has {self.active} requests in flight{more}, its limit is "
+                f"{self.limit} (`ddserve engine --max-requests`); retry after {self.retry_after_s}s"
             )
             exc.retry_after = self.retry_after_s
             raise exc
-        self.active += 1
+        self.active += n
 
-    def leave(self) -> None:
-        self.active -= 1
+    def leave(self, n: int = 1) -> None:
+        self.active -= n
 
 
 def deadline_of(limits: ServerLimits) -> float | None:

@@ -55,15 +55,23 @@ def chat_response(
 
 
 def completion_response(
-    rid: str, model: str, text: str, finish: str | None, fp: str, stats: RequestStats | None
+    rid: str,
+    model: str,
+    choices: list[tuple[str, str | None]],
+    fp: str,
+    stats: RequestStats | None,
 ) -> dict:
+    """choices: (text, finish_reason) per prompt, in the request's order; stats: all of them."""
     return {
         "id": rid,
         "object": "text_completion",
         "created": int(time.time()),
         "model": model,
         "system_fingerprint": fp,
-        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}],
+        "choices": [
+            {"index": i, "text": text, "logprobs": None, "finish_reason": finish}
+            for i, (text, finish) in enumerate(choices)
+        ],
         "usage": usage(stats),
         "ddtree": ddtree_ext(stats),
     }
@@ -83,7 +91,13 @@ def chat_chunk(
 
 
 def completion_chunk(
-    rid: str, model: str, created: int, fp: str, text: str, finish: str | None = None
+    rid: str,
+    model: str,
+    created: int,
+    fp: str,
+    text: str,
+    finish: str | None = None,
+    index: int = 0,
 ) -> dict:
     return {
         "id": rid,
@@ -91,7 +105,7 @@ def completion_chunk(
         "created": created,
         "model": model,
         "system_fingerprint": fp,
-        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}],
+        "choices": [{"index": index, "text": text, "logprobs": None, "finish_reason": finish}],
     }
 
 

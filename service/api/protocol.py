@@ -15,6 +15,9 @@ TEMPERATURE = (
     "below the floor logits / T overflows float32, so such values are refused."
 )
 SEED = f"Seed of the request's sampler, in [{MIN_SEED}, {MAX_SEED}]; none: a fresh one."
+# prompts in one /v1/completions request at most: each is an engine request of its own (and
+# counts against --max-requests)
+MAX_PROMPTS = 64
 
 
 class _Body(BaseModel):
@@ -131,8 +134,45 @@ class ChatCompletionRequest(Sampling):
 
 class CompletionRequest(Sampling):
     model: str
-    prompt: str | list[int] = Field(description="Text, or token ids.")
+    prompt: str | list[str] | list[int] | list[list[int]] = Field(
+        description=f"Text or token ids, or a list of up to {MAX_PROMPTS} of either: one "
+        "choice per prompt (its `index`), each generated as its own request."
+    )
     echo: bool = False
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt_shape(cls, v):
+        """One message for a prompt of none of the four shapes (not one per union member)."""
+
+        def ids(x) -> bool:
+            return isinstance(x, list) and all(type(i) is int for i in x)
+
+        listed = isinstance(v, list) and (
+            all(isinstance(x, str) for x in v) or all(ids(x) for x in v)
+        )
+        if isinstance(v, str) or ids(v) or listed:
+            return v
+        raise ValueError(
+            "must be a string, a list of strings, a list of token ids or a list of token-id lists"
+        )
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt_count(cls, v):
+        if isinstance(v, list) and not v:
+            raise ValueError("the prompt is empty")
+        if isinstance(v, list) and not isinstance(v[0], int) and len(v) > MAX_PROMPTS:
+            raise ValueError(
+                f"{len(v)} prompts; at most {MAX_PROMPTS} in one request (send several requests)"
+            )
+        return v
+
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        """One text or token-id list per choice."""
+        one = isinstance(self.prompt, str) or isinstance(self.prompt[0], int)
+        return [self.prompt] if one else list(self.prompt)
 
 
 class NativeSampling(_Body):

@@ -51,6 +51,17 @@ def port_number(text: str) -> int:
     return port
 
 
+def seconds(text: str) -> float:
+    """An argparse type: a duration in seconds, 0 or more."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"{text} is not a duration: choose 0 or more seconds")
+    return value
+
+
 def listen_socket(host: str, port: int) -> socket.socket:
     """A socket bound to host:port and listening, before anything slow happens: a busy port
     is one line at start-up, not a failure after the weights load. (Connections that arrive
@@ -116,6 +127,19 @@ def add_parsers(sub) -> None:
         type=int,
         default=limits.max_requests,
         help=f"generation requests in flight (running + waiting) at most; more get 429 with Retry-After (default {limits.max_requests}; 0 = no limit)",
+    )
+    p.add_argument(
+        "--access-log",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="log one line per HTTP request (logger ddserve.access) [env DDSERVE_ACCESS_LOG=1; default off]",
+    )
+    p.add_argument(
+        "--stats-interval",
+        type=seconds,
+        default=None,
+        metavar="SECONDS",
+        help="seconds between stats lines (running, waiting, tok/s, tau) while there is work; 0 = off [env DDSERVE_STATS_INTERVAL; default 10]",
     )
     p.add_argument(
         "--api-key-file",
@@ -221,7 +245,14 @@ async def _serve(a, config: EngineConfig, sock, admin_token, key, limits) -> int
         await backend.aclose()
         raise
     try:
-        app = create_app(backend, admin_token=admin_token, limits=limits, api_key=key)
+        app = create_app(
+            backend,
+            admin_token=admin_token,
+            limits=limits,
+            api_key=key,
+            access_log=a.access_log,  # None: env DDSERVE_ACCESS_LOG
+            stats_interval_s=a.stats_interval,  # None: env DDSERVE_STATS_INTERVAL, else 10
+        )
         print(
             f"ddserve engine: {config.model_id} on http://{a.host}:{a.port} (fingerprint {backend.fingerprint}, engine core pid {backend.process.pid}{', API key required' if key else ''})",
             flush=True,

@@ -244,7 +244,7 @@ class EngineConfig(_Frozen):
 
     model: Text = Field(
         "smollm2-135m",
-        description="Model spec: 'smollm2-135m' (bundled GGUF), 'tiny-random[:seed]', a .gguf file or a directory saved by ddserve.",
+        description="Model spec: 'smollm2-135m' (bundled GGUF), 'tiny-random[:seed]', a Hugging Face model directory (Llama, Mistral or Qwen2: config.json, safetensors, tokenizer), a .gguf file or a directory saved by ddserve.",
     )
     served_name: Text | None = Field(
         None,

@@ -55,6 +55,7 @@ class DFlashConfig:
     rope_theta: float = 10000.0
     rms_eps: float = 1e-5
     target: str = ""  # a name for the target it was trained against
+    qkv_bias: bool = False  # (Block reads it) the drafter's projections have no biases
 
     @classmethod
     def for_target(cls, t: LlamaConfig, *, num_layers=2, block_size=8, taps=4, target=""):

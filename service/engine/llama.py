@@ -9,7 +9,8 @@ match `transformers` (tests/engine/test_llama.py checks it).
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+import math
+from dataclasses import asdict, dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -31,6 +32,10 @@ class LlamaConfig:
     max_position: int = 2048
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    qkv_bias: bool = False  # biases on the q/k/v projections (Qwen2)
+    # RoPE frequency scaling, as transformers' `rope_parameters` less rope_theta: None, or
+    # {"rope_type": "linear" | "llama3", ...its parameters} (ROPE_TYPES)
+    rope_scaling: dict | None = field(default=None, hash=False)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -54,6 +59,12 @@ def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
             return (w @ x.repeat(2, 1).T).T[:1]
         return (w @ x.T).T
     return F.linear(x, w)
+
+
+def project(x: torch.Tensor, proj: nn.Linear) -> torch.Tensor:
+    """x @ W.T (+ b): a projection that may carry a bias (Qwen2's q/k/v)."""
+    y = linear(x, proj.weight)
+    return y if proj.bias is None else y + proj.bias
 
 
 class KVCache(nn.Module):
@@ -153,9 +164,10 @@ class Block(nn.Module):
         super().__init__()
         self.cfg = cfg
         h, hd = cfg.hidden_size, cfg.head_dim
-        self.q_proj = nn.Linear(h, cfg.num_heads * hd, bias=False)
-        self.k_proj = nn.Linear(h, cfg.num_kv_heads * hd, bias=False)
-        self.v_proj = nn.Linear(h, cfg.num_kv_heads * hd, bias=False)
+        bias = cfg.qkv_bias
+        self.q_proj = nn.Linear(h, cfg.num_heads * hd, bias=bias)
+        self.k_proj = nn.Linear(h, cfg.num_kv_heads * hd, bias=bias)
+        self.v_proj = nn.Linear(h, cfg.num_kv_heads * hd, bias=bias)
         self.o_proj = nn.Linear(cfg.num_heads * hd, h, bias=False)
         self.gate_proj = nn.Linear(h, cfg.intermediate_size, bias=False)
         self.up_proj = nn.Linear(h, cfg.intermediate_size, bias=False)
@@ -171,9 +183,9 @@ class Block(nn.Module):
         cfg = self.cfg
         n = x.shape[0]
         h = self.input_layernorm(x)
-        q = linear(h, self.q_proj.weight).view(n, cfg.num_heads, cfg.head_dim).transpose(0, 1)
-        k = linear(h, self.k_proj.weight).view(n, cfg.num_kv_heads, cfg.head_dim).transpose(0, 1)
-        v = linear(h, self.v_proj.weight).view(n, cfg.num_kv_heads, cfg.head_dim).transpose(0, 1)
+        q = project(h, self.q_proj).view(n, cfg.num_heads, cfg.head_dim).transpose(0, 1)
+        k = project(h, self.k_proj).view(n, cfg.num_kv_heads, cfg.head_dim).transpose(0, 1)
+        v = project(h, self.v_proj).view(n, cfg.num_kv_heads, cfg.head_dim).transpose(0, 1)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if len(caches) == 1:
             parts = [(q, k, v)]
@@ -203,19 +215,47 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotate_half(x) * sin
 
 
+ROPE_TYPES = ("default", "linear", "llama3")  # what `rope_inv_freq` computes
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None = None) -> torch.Tensor:
+    """RoPE inverse frequencies [head_dim // 2], float32, as transformers computes them.
+
+    linear: every frequency divided by `factor`. llama3 (Llama 3.1+): wavelengths longer than
+    original_max_position_embeddings / low_freq_factor are divided by `factor`, shorter than
+    .../ high_freq_factor kept, and the band between interpolated smoothly between the two.
+    Neither changes the attention scale (their attention factor is 1)."""
+    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device="cpu").float() / head_dim))
+    kind = (scaling or {}).get("rope_type", "default")
+    if kind == "default":
+        return inv
+    factor = scaling["factor"]
+    if kind == "linear":
+        return inv / factor
+    if kind != "llama3":
+        raise ValueError(f"rope_type={kind!r} is not implemented; known: {', '.join(ROPE_TYPES)}")
+    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old_len = scaling["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv
+    scaled = torch.where(wavelen > old_len / low, inv / factor, inv)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < old_len / high) * ~(wavelen > old_len / low)
+    return torch.where(medium, smoothed, scaled)
+
+
 class Rotary(nn.Module):
     """RoPE angles for positions of any shape [...] -> cos/sin [..., head_dim]. The inverse
     frequencies stay float32 when the model goes to bf16 (rounding them would shift every
     angle by up to ~0.4%)."""
 
-    def __init__(self, head_dim: int, theta: float):
+    def __init__(self, head_dim: int, theta: float, scaling: dict | None = None):
         super().__init__()
-        self.head_dim, self.theta = head_dim, theta
+        self.head_dim, self.theta, self.scaling = head_dim, theta, scaling
         self.register_buffer("inv_freq", self.compute(), persistent=False)
 
     def compute(self) -> torch.Tensor:
-        hd = self.head_dim
-        return 1.0 / (self.theta ** (torch.arange(0, hd, 2, device="cpu").float() / hd))
+        return rope_inv_freq(self.head_dim, self.theta, self.scaling)
 
     def _apply(self, fn, recurse=True):
         super()._apply(fn, recurse)
@@ -238,7 +278,7 @@ class Llama(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        self.rotary = Rotary(cfg.head_dim, cfg.rope_theta)
+        self.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
 
     def rope_inv_freq(self) -> torch.Tensor:
         return self.rotary.compute()

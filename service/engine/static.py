@@ -146,21 +146,27 @@ class SlotCache:
 
 def fuse_weights(block: Block) -> None:
     """One [q;k;v] and one [gate;up] matrix per layer (one matmul each instead of three and
-    two); the original projections become views of them, so state dicts are unchanged."""
+    two), and one [q;k;v] bias where the projections have biases (Qwen2; else None); the
+    original projections become views of them, so state dicts are unchanged."""
     if hasattr(block, "qkv_weight"):
         return
+    parts = [block.q_proj, block.k_proj, block.v_proj]
     with torch.no_grad():
-        parts = [block.q_proj, block.k_proj, block.v_proj]
-        qkv = torch.cat([p.weight for p in parts])
-        gu = torch.cat([block.gate_proj.weight, block.up_proj.weight])
-        at = 0
-        for p in parts:
-            n = p.weight.shape[0]
-            p.weight.data = qkv[at : at + n]
-            at += n
-        n = block.gate_proj.weight.shape[0]
-        block.gate_proj.weight.data, block.up_proj.weight.data = gu[:n], gu[n:]
-    block.qkv_weight, block.gate_up_weight = qkv, gu
+        qkv = _fuse([p.weight for p in parts])
+        bias = _fuse([p.bias for p in parts]) if parts[0].bias is not None else None
+        gu = _fuse([block.gate_proj.weight, block.up_proj.weight])
+    block.qkv_weight, block.qkv_bias, block.gate_up_weight = qkv, bias, gu
+
+
+def _fuse(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """Concatenate along dim 0 and make each tensor a view of its part of the result."""
+    fused = torch.cat(tensors)
+    at = 0
+    for t in tensors:
+        n = t.shape[0]
+        t.data = fused[at : at + n]
+        at += n
+    return fused
 
 
 def attention_mask(lens, wpos_rel_tree, ctx: int, window=None) -> torch.Tensor:
@@ -187,7 +193,10 @@ def layer_step(block: Block, x, cos, sin, kc, vc, rows, wpos, mask, ctx: int, ro
     b, w = wpos.shape
     n, g = b * w, nh // kvh
     h = block.input_layernorm(x)
-    qkv = linear(h, block.qkv_weight).view(n, nh + 2 * kvh, hd)
+    qkv = linear(h, block.qkv_weight)
+    if block.qkv_bias is not None:
+        qkv = qkv + block.qkv_bias
+    qkv = qkv.view(n, nh + 2 * kvh, hd)
     qk = apply_rope(qkv[:, : nh + kvh], cos[:, None], sin[:, None])
     q, k, v = qk[:, :nh], qk[:, nh:], qkv[:, nh + kvh :]
     kc[rows[:, None], :, wpos] = k.reshape(b, w, kvh, hd)

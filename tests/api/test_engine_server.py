@@ -8,6 +8,9 @@ import time
 import httpx
 import openai
 import pytest
+from transformers import AutoTokenizer
+
+from tests.api.conftest import HF_KEY
 
 ADMIN = {"Authorization": "Bearer s3cret"}
 JSON = {"content-type": "application/json"}
@@ -327,3 +330,68 @@ def test_openai_parameters_at_their_no_op_values_are_accepted(client):
         max_tokens=3,
     )
     assert r.choices[0].message.content is not None
+
+
+LIST = dict(model=MODEL, max_tokens=6, temperature=0, extra_body={"ignore_eos": True})
+
+
+def test_a_list_of_prompts_is_one_choice_each_streamed_interleaved(client):
+    """Texts or token-id lists: each prompt is one choice (its `index`), the same completion
+    it gets alone; usage sums; a stream's chunks carry their choice's index."""
+    texts = ["Once upon a time", "def add(a, b):", "1, 2, 3,"]
+    alone = [client.completions.create(prompt=t, **LIST).choices[0].text for t in texts]
+    r = client.completions.create(prompt=texts, **LIST)
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    assert [c.text for c in r.choices] == alone
+    assert r.usage.completion_tokens == 18 and r.usage.total_tokens > 18
+    ids = [[1, 2, 3], [40, 41, 42, 43]]
+    by_ids = client.completions.create(prompt=ids, **LIST)
+    assert [c.text for c in by_ids.choices] == [
+        client.completions.create(prompt=p, **LIST).choices[0].text for p in ids
+    ]
+    assert by_ids.usage.prompt_tokens == 7
+    streamed = {0: "", 1: "", 2: ""}
+    chunks = list(client.completions.create(prompt=texts, stream=True, **LIST))
+    for c in chunks:
+        streamed[c.choices[0].index] += c.choices[0].text
+    assert list(streamed.values()) == alone
+    assert sum(c.choices[0].finish_reason == "length" for c in chunks) == 3
+    assert chunks[-1].usage.completion_tokens == 18  # the last choice's chunk: the sum
+    echoed = client.completions.create(prompt=texts[:2], echo=True, stream=True, **LIST)
+    got = {0: "", 1: ""}
+    for c in echoed:
+        got[c.choices[0].index] += c.choices[0].text
+    assert got == {i: texts[i] + alone[i] for i in (0, 1)}
+
+
+@pytest.mark.parametrize(
+    "prompt,says",
+    [([], "empty"), (["x"] * 65, "at most 64"), (["x", 1], "prompt"), ([[1], []], "empty")],
+)
+def test_list_prompts_out_of_bounds_are_refused_naming_prompt(client, prompt, says):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt=prompt, max_tokens=2)
+    assert e.value.body["param"] == "prompt" and says in e.value.body["message"]
+
+
+def test_a_hugging_face_model_directory_serves_chat_with_its_template(hf_engine):
+    """`--model DIR` (the directory as transformers wrote it) serves the OpenAI API with the
+    directory's chat template; --access-log and --stats-interval reach the server."""
+    eng, directory = hf_engine
+    messages = [{"role": "user", "content": "Write a haiku"}]
+    tokenizer = AutoTokenizer.from_pretrained(directory)
+    expected = tokenizer.apply_chat_template(messages, add_generation_prompt=True)["input_ids"]
+    client = openai.OpenAI(base_url=eng.url + "/v1", api_key=HF_KEY, max_retries=0)
+    r = client.chat.completions.create(
+        model=str(directory), messages=messages, max_tokens=8, temperature=0
+    )
+    assert r.choices[0].message.content is not None and r.usage.completion_tokens >= 1
+    assert r.usage.prompt_tokens == len(expected)
+    access = '"POST /v1/chat/completions HTTP/1.1" 200'  # --access-log
+    stats = "engine stats:"  # --stats-interval 0.2 (the default, 10 s, would not show yet)
+    deadline = time.monotonic() + 10  # the server logs after the client has its answer
+    log = eng.log_path.read_text()
+    while not (access in log and stats in log) and time.monotonic() < deadline:
+        time.sleep(0.2)
+        log = eng.log_path.read_text()
+    assert access in log and stats in log
