@@ -1,5 +1,7 @@
 """Chat-style benchmark prompts (written for ddserve; a mix of code, editing and Q&A)."""
 
+import itertools
+
 from ddserve.api.text import render_chat
 
 
@@ -55,3 +57,16 @@ def synthetic_prompts(n_tokens: int, count: int, tokenizer=None) -> list[str]:
             text = tokenizer.decode(ids[:n_tokens])
         prompts.append(text)
     return prompts
+
+
+def prompt_texts(kind: str) -> list[str]:
+    """The prompt sets of `ddserve bench --prompts` (and of ddserve.bench.engine_load, so both
+    paths run the same prompts): chat, humaneval, or mixed (the two interleaved)."""
+    if kind == "chat":
+        return list(CHAT_PROMPTS)
+    from ddserve.bench.humaneval import humaneval_chat_prompts
+
+    he = humaneval_chat_prompts()
+    if kind == "humaneval":
+        return he
+    return [p for pair in zip(he, itertools.cycle(CHAT_PROMPTS), strict=False) for p in pair]

@@ -133,18 +133,9 @@ def parse_sweep(items: list[str]) -> list[dict[str, int]]:
 
 
 def load_prompts(kind: str) -> list[str]:
-    from ddserve.bench.prompts import CHAT_PROMPTS
+    from ddserve.bench.prompts import prompt_texts
 
-    if kind == "chat":
-        return list(CHAT_PROMPTS)
-    from ddserve.bench.humaneval import humaneval_chat_prompts
-
-    he = humaneval_chat_prompts()
-    return (
-        he
-        if kind == "humaneval"
-        else [p for pair in zip(he, itertools.cycle(CHAT_PROMPTS)) for p in pair]
-    )
+    return prompt_texts(kind)
 
 
 def local_model_spec(model: str) -> bool:
