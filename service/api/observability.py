@@ -69,7 +69,7 @@ METRICS = {
     m.name: m
     for m in [
         Metric("time_to_first_token_seconds", "histogram", "Request arrival to its first generated token.", buckets=LATENCY_BUCKETS),
-        Metric("inter_token_latency_seconds", "histogram", "Time between generated tokens (per token).", buckets=LATENCY_BUCKETS),
+        Metric("inter_token_latency_seconds", "histogram", "Time between generated tokens: one sample per streamed chunk (its gap over the tokens it carries), as vLLM samples once per output iteration.", buckets=LATENCY_BUCKETS),
         Metric("e2e_request_latency_seconds", "histogram", "Request arrival to its last token.", buckets=LATENCY_BUCKETS),
         Metric("prompt_tokens", "counter", "Prompt tokens of finished requests."),
         Metric("generation_tokens", "counter", "Generated (completion) tokens."),
@@ -102,6 +102,7 @@ class PrometheusExporter:
         self.model_name = model_name
         kinds = {"counter": pc.Counter, "gauge": pc.Gauge, "histogram": pc.Histogram}
         self._m = {}
+        self._children: dict[tuple, object] = {}  # label lookups cost ~5 us: once per series
         for m in METRICS.values():
             extra = {"buckets": m.buckets} if m.buckets else {}
             self._m[m.name] = kinds[m.kind](
@@ -113,7 +114,11 @@ class PrometheusExporter:
             )
 
     def _child(self, name: str, labels: dict):
-        return self._m[name].labels(model_name=self.model_name, **labels)
+        key = (name, *labels.items())
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = self._m[name].labels(model_name=self.model_name, **labels)
+        return child
 
     def inc(self, name: str, value: float = 1.0, **labels: str) -> None:
         self._child(name, labels).inc(value)
@@ -242,10 +247,8 @@ class MeteredBackend:
                 if first and n:
                     ex.observe("time_to_first_token_seconds", now - t0)
                     first = False
-                elif n:
-                    gap = (now - last) / n
-                    for _ in range(n):
-                        ex.observe("inter_token_latency_seconds", gap)
+                elif n:  # once per output iteration, as vLLM: the chunk's gap per token
+                    ex.observe("inter_token_latency_seconds", (now - last) / n)
                 if n:
                     last = now
                 if d.finish_reason is not None:
