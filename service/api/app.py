@@ -56,7 +56,7 @@ from ddserve.api.protocol import (
     GenerateRequest,
     Sampling,
 )
-from ddserve.api.text import encode, longest_token_chars, render_chat
+from ddserve.api.text import TokenStrings, encode, longest_token_chars, render_chat
 from ddserve.errors import (
     ClientDisconnected,
     ConfigError,
@@ -140,6 +140,7 @@ def create_app(
     }
     admission = Admission(limits.max_requests, limits.retry_after_s)
     longest_token = longest_token_chars(backend.tokenizer)
+    strings = TokenStrings(backend.tokenizer)  # token id -> (text, bytes) for log-probs
 
     @app.exception_handler(DDServeError)
     async def _ddserve_error(_: Request, exc: DDServeError):
@@ -203,6 +204,8 @@ def create_app(
             stop=req.stop_list,
             ignore_eos=req.ignore_eos,
             seed=req.seed,
+            logprobs=req.num_logprobs,
+            logit_bias=req.bias_pairs,
         )
 
     def record(stats) -> None:
@@ -277,7 +280,15 @@ def create_app(
             if c is None:
                 return Response(status_code=CLIENT_CLOSED)
             record(c.stats)
-            return fmt.chat_response(rid, model_id, c.text, c.finish_reason, c.fingerprint, c.stats)
+            return fmt.chat_response(
+                rid,
+                model_id,
+                c.text,
+                c.finish_reason,
+                c.fingerprint,
+                c.stats,
+                fmt.chat_logprobs(c.logprobs, strings),
+            )
         include_usage = bool((req.stream_options or {}).get("include_usage"))
 
         async def chunks():
@@ -294,9 +305,11 @@ def create_app(
                         )
                     )
                     sent_role = True
-                if d.text:
+                if d.text or d.logprobs:
+                    lp = fmt.chat_logprobs(d.logprobs, strings)
+                    delta = {"content": d.text}
                     yield fmt.sse(
-                        fmt.chat_chunk(rid, model_id, created, d.fingerprint, {"content": d.text})
+                        fmt.chat_chunk(rid, model_id, created, d.fingerprint, delta, None, lp)
                     )
                 if d.finish_reason is not None:
                     record(d.stats)
@@ -337,15 +350,22 @@ def create_app(
                 return Response(status_code=CLIENT_CLOSED)
             record(c.stats)
             return fmt.completion_response(
-                rid, model_id, prefix + c.text, c.finish_reason, c.fingerprint, c.stats
+                rid,
+                model_id,
+                prefix + c.text,
+                c.finish_reason,
+                c.fingerprint,
+                c.stats,
+                fmt.completion_logprobs(c.logprobs, strings),
             )
 
         async def chunks():
             created = int(time.time())
             async for d in stream_of(prompt, sp, deadline):
-                if d.text or d.finish_reason is not None:
+                if d.text or d.logprobs or d.finish_reason is not None:
+                    lp = fmt.completion_logprobs(d.logprobs, strings)
                     chunk = fmt.completion_chunk(
-                        rid, model_id, created, d.fingerprint, d.text, d.finish_reason
+                        rid, model_id, created, d.fingerprint, d.text, d.finish_reason, lp
                     )
                     if d.finish_reason is not None:
                         record(d.stats)
