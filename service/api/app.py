@@ -63,7 +63,7 @@ from ddserve.api.protocol import (
     GenerateRequest,
     Sampling,
 )
-from ddserve.api.text import encode, longest_token_chars, render_chat
+from ddserve.api.text import TokenStrings, encode, longest_token_chars, render_chat
 from ddserve.errors import (
     ClientDisconnected,
     ConfigError,
@@ -147,6 +147,7 @@ def create_app(
     }
     admission = Admission(limits.max_requests, limits.retry_after_s)
     longest_token = longest_token_chars(backend.tokenizer)
+    strings = TokenStrings(backend.tokenizer)  # token id -> (text, bytes) for log-probs
 
     @app.exception_handler(DDServeError)
     async def _ddserve_error(_: Request, exc: DDServeError):
@@ -210,6 +211,8 @@ def create_app(
             stop=req.stop_list,
             ignore_eos=req.ignore_eos,
             seed=req.seed,
+            logprobs=req.num_logprobs,
+            logit_bias=req.bias_pairs,
         )
 
     def record(stats) -> None:
@@ -288,7 +291,15 @@ def create_app(
             if c is None:
                 return Response(status_code=CLIENT_CLOSED)
             record(c.stats)
-            return fmt.chat_response(rid, model_id, c.text, c.finish_reason, c.fingerprint, c.stats)
+            return fmt.chat_response(
+                rid,
+                model_id,
+                c.text,
+                c.finish_reason,
+                c.fingerprint,
+                c.stats,
+                fmt.chat_logprobs(c.logprobs, strings),
+            )
         include_usage = bool((req.stream_options or {}).get("include_usage"))
 
         async def chunks():
@@ -305,9 +316,11 @@ def create_app(
                         )
                     )
                     sent_role = True
-                if d.text:
+                if d.text or d.logprobs:
+                    lp = fmt.chat_logprobs(d.logprobs, strings)
+                    delta = {"content": d.text}
                     yield fmt.sse(
-                        fmt.chat_chunk(rid, model_id, created, d.fingerprint, {"content": d.text})
+                        fmt.chat_chunk(rid, model_id, created, d.fingerprint, delta, None, lp)
                     )
                 if d.finish_reason is not None:
                     record(d.stats)
@@ -369,7 +382,10 @@ def create_app(
                 return Response(status_code=CLIENT_CLOSED)
             for c in done:
                 record(c.stats)
-            choices = [(e + c.text, c.finish_reason) for e, c in zip(echoes, done, strict=True)]
+            choices = [
+                (e + c.text, c.finish_reason, fmt.completion_logprobs(c.logprobs, strings))
+                for e, c in zip(echoes, done, strict=True)
+            ]
             stats = merged_stats([c.stats for c in done])
             return fmt.completion_response(rid, model_id, choices, done[0].fingerprint, stats)
 
@@ -380,10 +396,11 @@ def create_app(
                 async for i, d in interleave(streams):
                     text = echoes[i] + d.text
                     echoes[i] = ""
-                    if not text and d.finish_reason is None:
+                    if not text and not d.logprobs and d.finish_reason is None:
                         continue
+                    lp = fmt.completion_logprobs(d.logprobs, strings)
                     chunk = fmt.completion_chunk(
-                        rid, model_id, created, d.fingerprint, text, d.finish_reason, index=i
+                        rid, model_id, created, d.fingerprint, text, d.finish_reason, i, lp
                     )
                     if d.finish_reason is not None:
                         record(d.stats)

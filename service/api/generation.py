@@ -10,21 +10,36 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-from ddserve.engine.sampling import RequestStats, SamplingParams
-from ddserve.errors import ContextLengthExceeded, InvalidRequest
+from ddserve.api.text import Detokenizer
+from ddserve.engine.sampling import Logprobs, RequestStats, SamplingParams
+from ddserve.errors import ContextLengthExceeded, EngineError, InvalidRequest
+
+
+@dataclass
+class TokenLogprob:
+    """One emitted token's raw log-prob (see ddserve.engine.sampling), the k most likely
+    tokens' at its position [(id, log-prob)], best first, and where its text begins in the
+    completion's text."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+    offset: int
 
 T = TypeVar("T")
 
 
 @dataclass
 class Delta:
-    """One streamed piece of a completion; the last one has finish_reason and stats."""
+    """One streamed piece of a completion; the last one has finish_reason and stats.
+    `logprobs` (requests that ask): the tokens whose text became whole in this piece."""
 
     text: str
     token_ids: list[int]
     fingerprint: str
     finish_reason: str | None = None
     stats: RequestStats | None = None
+    logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass
@@ -35,6 +50,55 @@ class Completion:
     fingerprint: str = ""
     stats: RequestStats | None = None
     latency_s: float = 0.0
+    logprobs: list[TokenLogprob] | None = None
+
+
+class TextStream:
+    """A request's output as the API returns it: text through the Detokenizer (stop strings,
+    whole characters) and, for requests that ask, log-probs released with the text.
+
+    The rule for log-probs: a token's entry is returned once its text lies wholly within the
+    text returned (never earlier, so streamed and whole answers list the same tokens). A
+    stop string cuts the text; the token that straddles its start and every later one are
+    not returned (their text was not), so the entries' texts joined are a prefix of the text.
+    A token with no text of its own (EOS) has its entry once the text before it is out."""
+
+    def __init__(self, tokenizer, sampling: SamplingParams):
+        self.want = sampling.logprobs is not None
+        self.detok = Detokenizer(tokenizer, sampling.stop, per_token=self.want)
+        self.ids: list[int] = []
+        self.pending = Logprobs()  # entries of ids[released:], from the engine
+        self.released = 0
+
+    @property
+    def stopped(self) -> bool:
+        return self.detok.stopped
+
+    def push(self, ids: list[int], logprobs: Logprobs | None) -> str:
+        if self.want:
+            if logprobs is None or len(logprobs) != len(ids):
+                raise EngineError("the engine returned no log-probs for a request that asks")
+            self.ids += ids
+            self.pending.extend(logprobs)
+        return self.detok.push(ids) if ids else ""
+
+    def flush(self) -> str:
+        return self.detok.flush()
+
+    def take(self) -> list[TokenLogprob] | None:
+        """Entries whose text is out by now (None when the request did not ask)."""
+        if not self.want:
+            return None
+        n = self.detok.complete - self.released
+        out = []
+        for j in range(n):
+            i = self.released + j
+            p = self.pending
+            top = list(zip(p.top_ids[j], p.top_logprobs[j], strict=True))
+            out.append(TokenLogprob(self.ids[i], p.chosen[j], top, self.detok.start(i)))
+        self.pending = self.pending.slice(n)
+        self.released += n
+        return out
 
 
 def check_prompt(prompt: list[int], max_tokens: int | None, max_context: int) -> int:
@@ -69,6 +133,8 @@ def resolve_sampling(
     stop_token_ids=(),
     ignore_eos=False,
     seed=None,
+    logprobs=None,
+    logit_bias=(),
 ) -> SamplingParams:
     """Per-request values over the backend's live defaults; validates the lengths."""
     live = backend.params
@@ -81,15 +147,19 @@ def resolve_sampling(
         stop_token_ids=tuple(stop_token_ids or ()),
         ignore_eos=ignore_eos,
         seed=seed,  # None: a fresh random seed per request
+        logprobs=logprobs,
+        logit_bias=tuple(logit_bias),
     )
 
 
 async def complete(backend, prompt: list[int], sampling: SamplingParams) -> Completion:
     t0 = time.perf_counter()
-    result = Completion()
+    result = Completion(logprobs=[] if sampling.logprobs is not None else None)
     async for d in backend.stream(prompt, sampling):
         result.text += d.text
         result.token_ids.extend(d.token_ids)
+        if d.logprobs and result.logprobs is not None:
+            result.logprobs += d.logprobs
         result.fingerprint = d.fingerprint
         if d.finish_reason is not None:
             result.finish_reason, result.stats = d.finish_reason, d.stats

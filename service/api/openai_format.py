@@ -1,4 +1,5 @@
-"""OpenAI response bodies (chat.completion, text_completion and their stream chunks)."""
+"""OpenAI response bodies (chat.completion, text_completion and their stream chunks), and
+their log-probs objects."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import json
 import time
 import uuid
 
+from ddserve.api.generation import TokenLogprob
 from ddserve.engine.sampling import RequestStats
 
 
@@ -32,8 +34,53 @@ def ddtree_ext(stats: RequestStats | None) -> dict:
     }
 
 
+def chat_logprobs(entries: list[TokenLogprob] | None, strings) -> dict | None:
+    """choices[].logprobs of chat: {content: [{token, logprob, bytes, top_logprobs}]};
+    `strings` maps a token id to its (text, bytes) (ddserve.api.text.TokenStrings)."""
+    if entries is None:
+        return None
+    content = []
+    for e in entries:
+        text, raw = strings(e.token_id)
+        top = []
+        for tid, lp in e.top:
+            t, b = strings(tid)
+            top.append({"token": t, "logprob": lp, "bytes": b})
+        content.append({"token": text, "logprob": e.logprob, "bytes": raw, "top_logprobs": top})
+    return {"content": content}
+
+
+def completion_logprobs(entries: list[TokenLogprob] | None, strings) -> dict | None:
+    """choices[].logprobs of completions: {tokens, token_logprobs, top_logprobs, text_offset};
+    each top_logprobs map holds the N most likely tokens and always the chosen one (so up to
+    N + 1 entries, as OpenAI's); text_offset: where each token's text begins in the text."""
+    if entries is None:
+        return None
+    tokens, logprobs, tops, offsets = [], [], [], []
+    for e in entries:
+        text = strings(e.token_id)[0]
+        top = {strings(tid)[0]: lp for tid, lp in e.top}
+        top.setdefault(text, e.logprob)
+        tokens.append(text)
+        logprobs.append(e.logprob)
+        tops.append(top)
+        offsets.append(e.offset)
+    return {
+        "tokens": tokens,
+        "token_logprobs": logprobs,
+        "top_logprobs": tops,
+        "text_offset": offsets,
+    }
+
+
 def chat_response(
-    rid: str, model: str, text: str, finish: str | None, fp: str, stats: RequestStats | None
+    rid: str,
+    model: str,
+    text: str,
+    finish: str | None,
+    fp: str,
+    stats: RequestStats | None,
+    logprobs: dict | None = None,
 ) -> dict:
     return {
         "id": rid,
@@ -45,7 +92,7 @@ def chat_response(
             {
                 "index": 0,
                 "message": {"role": "assistant", "content": text},
-                "logprobs": None,
+                "logprobs": logprobs,
                 "finish_reason": finish,
             }
         ],
@@ -57,11 +104,12 @@ def chat_response(
 def completion_response(
     rid: str,
     model: str,
-    choices: list[tuple[str, str | None]],
+    choices: list[tuple[str, str | None, dict | None]],
     fp: str,
     stats: RequestStats | None,
 ) -> dict:
-    """choices: (text, finish_reason) per prompt, in the request's order; stats: all of them."""
+    """choices: (text, finish_reason, logprobs) per prompt, in the request's order; stats: all
+    of them."""
     return {
         "id": rid,
         "object": "text_completion",
@@ -69,8 +117,8 @@ def completion_response(
         "model": model,
         "system_fingerprint": fp,
         "choices": [
-            {"index": i, "text": text, "logprobs": None, "finish_reason": finish}
-            for i, (text, finish) in enumerate(choices)
+            {"index": i, "text": text, "logprobs": logprobs, "finish_reason": finish}
+            for i, (text, finish, logprobs) in enumerate(choices)
         ],
         "usage": usage(stats),
         "ddtree": ddtree_ext(stats),
@@ -78,7 +126,13 @@ def completion_response(
 
 
 def chat_chunk(
-    rid: str, model: str, created: int, fp: str, delta: dict, finish: str | None = None
+    rid: str,
+    model: str,
+    created: int,
+    fp: str,
+    delta: dict,
+    finish: str | None = None,
+    logprobs: dict | None = None,
 ) -> dict:
     return {
         "id": rid,
@@ -86,7 +140,7 @@ def chat_chunk(
         "created": created,
         "model": model,
         "system_fingerprint": fp,
-        "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}],
+        "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}],
     }
 
 
@@ -98,6 +152,7 @@ def completion_chunk(
     text: str,
     finish: str | None = None,
     index: int = 0,
+    logprobs: dict | None = None,
 ) -> dict:
     return {
         "id": rid,
@@ -105,7 +160,7 @@ def completion_chunk(
         "created": created,
         "model": model,
         "system_fingerprint": fp,
-        "choices": [{"index": index, "text": text, "logprobs": None, "finish_reason": finish}],
+        "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}],
     }
 
 

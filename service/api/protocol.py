@@ -7,6 +7,9 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from ddserve.config.engine import MAX_TEMPERATURE, MIN_TEMPERATURE
+from ddserve.engine.sampling import MAX_ABS_BIAS, MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS
+
+MAX_COMPLETION_LOGPROBS = 5  # /v1/completions' logprobs=N, as OpenAI's
 
 # what torch.Generator.manual_seed takes (a negative seed counts modulo 2**64, as in torch)
 MIN_SEED, MAX_SEED = -(1 << 63), (1 << 64) - 1
@@ -36,9 +39,6 @@ def _temperature_floor(v: float | None) -> float | None:
 # OpenAI parameters the engine does not honour: refused with a 400 that names them unless the
 # value is one that changes nothing (never silently ignored). name -> (no-op values, why)
 REFUSED: dict[str, tuple[tuple, str]] = {
-    "logprobs": ((None, False, 0), "log-probabilities are not returned yet"),
-    "top_logprobs": ((None, 0), "log-probabilities are not returned yet"),
-    "logit_bias": ((None, {}), "logit_bias is not applied yet"),
     "frequency_penalty": ((None, 0, 0.0), "penalties would change the target distribution"),
     "presence_penalty": ((None, 0, 0.0), "penalties would change the target distribution"),
     "repetition_penalty": ((None, 1, 1.0), "penalties would change the target distribution"),
@@ -53,6 +53,23 @@ REFUSED: dict[str, tuple[tuple, str]] = {
     "best_of": ((None, 1), "one sequence per request"),
     "suffix": ((None, ""), "insertion (suffix) is not supported"),
 }
+
+
+def _check_logit_bias(v: dict | None) -> dict | None:
+    """{token id as a decimal string: bias in [-100, 100]}, at most MAX_LOGIT_BIAS entries
+    (ids beyond the vocabulary are refused by the engine, which knows its size)."""
+    if not v:
+        return v
+    if len(v) > MAX_LOGIT_BIAS:
+        raise ValueError(f"{len(v)} entries; at most {MAX_LOGIT_BIAS} are accepted")
+    for key, bias in v.items():
+        if not (key.isascii() and key.isdigit() and int(key) < 1 << 31):
+            raise ValueError(f"keys are token ids (non-negative integers); {key!r} is not one")
+        if not -MAX_ABS_BIAS <= bias <= MAX_ABS_BIAS:
+            raise ValueError(
+                f"the bias of token {key} is {bias:g}; it must be in [{-MAX_ABS_BIAS:g}, {MAX_ABS_BIAS:g}]"
+            )
+    return v
 
 
 def _refuse_unsupported(v, info):
@@ -77,9 +94,11 @@ class Sampling(_Body):
     ignore_eos: bool = Field(False, description="Extension: keep generating past EOS.")
     stream: bool = False
     stream_options: dict | None = None
-    logprobs: bool | int | None = Field(None, description="Refused unless false/0 (not yet).")
-    top_logprobs: int | None = Field(None, description="Refused unless 0 (not yet).")
-    logit_bias: dict | None = Field(None, description="Refused unless empty (not yet).")
+    logit_bias: dict[str, float] | None = Field(
+        None,
+        description=f"{{token id: bias in [-100, 100]}} (at most {MAX_LOGIT_BIAS}), added to the "
+        "target's logits at every position before sampling (speculation stays exact).",
+    )
     frequency_penalty: float | None = Field(None, description="Refused unless 0.")
     presence_penalty: float | None = Field(None, description="Refused unless 0.")
     repetition_penalty: float | None = Field(None, description="Refused unless 1.")
@@ -93,6 +112,18 @@ class Sampling(_Body):
 
     _temperature = field_validator("temperature")(_temperature_floor)
     _refused = field_validator(*REFUSED)(_refuse_unsupported)
+    _logit_bias = field_validator("logit_bias")(_check_logit_bias)
+
+    @property
+    def bias_pairs(self) -> tuple[tuple[int, float], ...]:
+        """logit_bias as (token id, bias) pairs, one per id ("042" and "42" are one id: the
+        last given wins, as in a JSON object)."""
+        return tuple(sorted({int(k): float(b) for k, b in (self.logit_bias or {}).items()}.items()))
+
+    @property
+    def num_logprobs(self) -> int | None:
+        """Alternatives per token when log-probs are asked for, else None."""
+        return None
 
     @property
     def stop_list(self) -> tuple[str, ...]:
@@ -120,10 +151,34 @@ class Message(_Body):
         return "".join(p.text for p in self.content)
 
 
+RAW_LOGPROBS = (
+    "raw log-probabilities: log_softmax of the model's logits before logit_bias, temperature, "
+    "top-k and top-p (vLLM's default)"
+)
+
+
 class ChatCompletionRequest(Sampling):
     model: str
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, gt=0)
+    logprobs: bool | None = Field(None, description=f"Return each token's {RAW_LOGPROBS}.")
+    top_logprobs: int | None = Field(
+        None,
+        ge=0,
+        le=MAX_TOP_LOGPROBS,
+        description="The most likely tokens per position, with theirs; needs logprobs=true.",
+    )
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _needs_logprobs(cls, v, info):
+        if v and not info.data.get("logprobs"):
+            raise ValueError("needs logprobs=true")
+        return v
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     @model_validator(mode="after")
     def _alias(self) -> ChatCompletionRequest:
@@ -139,6 +194,35 @@ class CompletionRequest(Sampling):
         "choice per prompt (its `index`), each generated as its own request."
     )
     echo: bool = False
+    logprobs: int | None = Field(
+        None,
+        ge=0,
+        le=MAX_COMPLETION_LOGPROBS,
+        description=f"Return each token's {RAW_LOGPROBS}, and the N most likely tokens' at its position.",
+    )
+    top_logprobs: int | None = Field(None, description="Chat only: use logprobs=N here.")
+
+    @field_validator("logprobs", mode="before")
+    @classmethod
+    def _logprobs(cls, v, info):
+        if isinstance(v, bool):
+            raise ValueError(
+                f"an integer in [0, {MAX_COMPLETION_LOGPROBS}] here (true/false: chat)"
+            )
+        if v is not None and info.data.get("echo"):
+            raise ValueError("not with echo=true (the prompt's log-probabilities are not returned)")
+        return v
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_logprobs(cls, v):
+        if v:
+            raise ValueError("not a parameter of /v1/completions: use logprobs=N")
+        return v
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
 
     @field_validator("prompt", mode="before")
     @classmethod

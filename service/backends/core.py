@@ -32,12 +32,11 @@ from pathlib import Path
 import zmq
 import zmq.asyncio
 
-from ddserve.api.generation import Delta
-from ddserve.api.text import Detokenizer
+from ddserve.api.generation import Delta, TextStream
 from ddserve.backends.process import NOT_INHERITED, _die_with_parent
 from ddserve.config.engine import EngineConfig, LiveParams
 from ddserve.engine import ipc
-from ddserve.engine.sampling import RequestStats, SamplingParams
+from ddserve.engine.sampling import Logprobs, RequestStats, SamplingParams
 from ddserve.errors import EngineError, EngineUnavailable, error_from_body
 
 log = logging.getLogger(__name__)
@@ -270,7 +269,7 @@ class CoreBackend:
             raise self._dead
         rid = next(self._ids)
         s = self._streams[rid] = _Stream(len(prompt))
-        detok = Detokenizer(self.tokenizer, sampling.stop)
+        ts = TextStream(self.tokenizer, sampling)
         finished = False
         try:
             await self._push.send(ipc.pack([ipc.ADD, rid, prompt, ipc.sampling_to_wire(sampling)]))
@@ -279,16 +278,19 @@ class CoreBackend:
                 while not s.queue.empty():  # coalesce: everything that is here already
                     entries.append(s.queue.get_nowait())
                 ids: list[int] = []
+                logprobs = Logprobs() if ts.want else None
                 finish, error = None, None
                 for e in entries:
                     if isinstance(e, BaseException):
                         error = e
                         break
-                    _, new, reason, stats, err = e
+                    _, new, reason, stats, err, lp = e
                     if err is not None:
                         error = error_from_body(err[0], err[1])
                         break
                     ids.extend(new)
+                    if logprobs is not None and lp is not None:
+                        logprobs.extend(Logprobs.from_wire(lp))
                     if new:
                         s.stats.verify_rounds += 1
                         s.stats.completion_tokens += len(new)
@@ -298,22 +300,23 @@ class CoreBackend:
                         if stats is not None:
                             s.stats = ipc.stats_from_wire(stats)
                         break
-                text = detok.push(ids) if ids else ""
+                text = ts.push(ids, logprobs)
                 if error is not None:
                     finished = True  # the engine has let go of it
                     if text or ids:
-                        yield Delta(text, ids, self.fingerprint)
+                        yield Delta(text, ids, self.fingerprint, logprobs=ts.take())
                     raise error
-                if detok.stopped:  # a stop string ended it; the abort below frees the slot
-                    yield Delta(text, ids, self.fingerprint, "stop", s.stats)
+                if ts.stopped:  # a stop string ended it; the abort below frees the slot
+                    yield Delta(text, ids, self.fingerprint, "stop", s.stats, ts.take())
                     return
                 if finish is not None:
                     finished = True
                     self.last_success = time.monotonic()
-                    yield Delta(text + detok.flush(), ids, self.fingerprint, finish, s.stats)
+                    text += ts.flush()
+                    yield Delta(text, ids, self.fingerprint, finish, s.stats, ts.take())
                     return
                 if text or ids:
-                    yield Delta(text, ids, self.fingerprint)
+                    yield Delta(text, ids, self.fingerprint, logprobs=ts.take())
         finally:
             self._streams.pop(rid, None)
             if not finished and self._dead is None:

@@ -5,8 +5,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
-from ddserve.api.generation import Delta
-from ddserve.api.text import Detokenizer
+from ddserve.api.generation import Delta, TextStream
 from ddserve.config.engine import LiveParams
 from ddserve.engine.runner import EngineRunner
 from ddserve.engine.sampling import SamplingParams
@@ -37,22 +36,24 @@ class LocalBackend:
         return self.runner.fingerprint
 
     async def stream(self, prompt: list[int], sampling: SamplingParams) -> AsyncIterator[Delta]:
-        detok = Detokenizer(self.runner.tokenizer, sampling.stop)
+        ts = TextStream(self.runner.tokenizer, sampling)
         async for out in self.runner.generate(prompt, sampling):
-            text = detok.push(out.token_ids)
-            if detok.stopped:  # a stop string ended it; leaving the loop cancels the request
-                yield Delta(text, out.token_ids, out.fingerprint, "stop", out.stats)
+            text = ts.push(out.token_ids, out.logprobs)
+            if ts.stopped:  # a stop string ended it; leaving the loop cancels the request
+                yield Delta(text, out.token_ids, out.fingerprint, "stop", out.stats, ts.take())
                 return
             if out.finished:
+                text += ts.flush()
                 yield Delta(
-                    text + detok.flush(),
+                    text,
                     out.token_ids,
                     out.fingerprint,
                     out.finish_reason,
                     out.stats,
+                    ts.take(),
                 )
                 return
-            yield Delta(text, out.token_ids, out.fingerprint)
+            yield Delta(text, out.token_ids, out.fingerprint, logprobs=ts.take())
 
     def load_gauges(self) -> dict:
         return self.runner.load_gauges()

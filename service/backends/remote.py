@@ -19,7 +19,13 @@ from ddserve.api.generation import Delta
 from ddserve.backends.sglang import RESTART_FIELDS
 from ddserve.config.engine import EngineConfig, LiveParams
 from ddserve.engine.sampling import RequestStats, SamplingParams
-from ddserve.errors import Conflict, EngineError, EngineUnavailable, error_from_body
+from ddserve.errors import (
+    Conflict,
+    EngineError,
+    EngineUnavailable,
+    InvalidRequest,
+    error_from_body,
+)
 
 _CONN_ERRORS = (
     httpx.ConnectError,
@@ -87,6 +93,16 @@ class RemoteBackend:
         return body
 
     async def stream(self, prompt: list[int], sampling: SamplingParams) -> AsyncIterator[Delta]:
+        # not passed on over this API: refused by name rather than silently dropped
+        if sampling.logprobs is not None:
+            raise InvalidRequest(
+                f"logprobs are not returned by the {self.kind} engine over HTTP", param="logprobs"
+            )
+        if sampling.logit_bias:
+            raise InvalidRequest(
+                f"logit_bias is not applied by the {self.kind} engine over HTTP",
+                param="logit_bias",
+            )
         body = {
             "input_ids": prompt,
             "sampling_params": self._sampling_body(sampling),

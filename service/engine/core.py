@@ -80,11 +80,12 @@ class EngineCore:
         for rid, item in out:
             if isinstance(item, StepOutput):
                 stats = ipc.stats_to_wire(item.stats) if item.finished else None
-                entries.append([rid, item.token_ids, item.finish_reason, stats, None])
+                lp = item.logprobs.to_wire() if item.logprobs is not None else None
+                entries.append([rid, item.token_ids, item.finish_reason, stats, None, lp])
                 done = item.finished
             else:
                 status, body = openai_error_body(item)
-                entries.append([rid, [], None, None, [status, body]])
+                entries.append([rid, [], None, None, [status, body], None])
                 done = True
             if done:
                 self.requests.pop(rid, None)
@@ -118,7 +119,7 @@ class EngineCore:
                 [
                     ipc.OUTPUTS,
                     self.runner.fingerprint,
-                    [[rid, [], None, None, [status, body]]],
+                    [[rid, [], None, None, [status, body], None]],
                     self.runner.load_gauges(),
                 ]
             )

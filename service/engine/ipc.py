@@ -5,6 +5,7 @@ its requests once per scheduler iteration.
 
 client -> core
     [ADD, rid, prompt_ids, sampling]            sampling: SamplingParams as a map
+                                                (logit_bias: [[token_id, bias], ...])
     [ABORT, rid]                                the client stopped reading: free the slot
     [CALL, call_id, method, args]               "update_params" (args: the changes), "info"
 core -> client
@@ -12,8 +13,11 @@ core -> client
     [FAILED, error_class, message, param]       start-up failed (then the core exits);
                                                 the class is one of ddserve.errors
     [OUTPUTS, fingerprint, entries, load]       once per iteration; entries:
-        [rid, new_ids, finish_reason|nil, stats|nil, error|nil]
-        stats (a map of RequestStats) with the finish; error = [status, openai_error_body]
+        [rid, new_ids, finish_reason|nil, stats|nil, error|nil, logprobs|nil]
+        stats (a map of RequestStats) with the finish; error = [status, openai_error_body];
+        logprobs (only for a request whose sampling asks) = [chosen, top_ids, top_logprobs]:
+        the raw log-prob of each of new_ids, and per id the k best [ids], [log-probs]
+        (ddserve.engine.sampling.Logprobs, one entry per new id)
     [REPLY, call_id, status, payload]           payload: the result, or an error body
 
 Why ZeroMQ + msgpack (what vLLM's API server <-> EngineCore uses): framing, reconnects and
@@ -49,12 +53,14 @@ def unpack(data: bytes) -> list:
 def sampling_to_wire(sp: SamplingParams) -> dict:
     d = dataclasses.asdict(sp)
     d["stop"], d["stop_token_ids"] = list(sp.stop), list(sp.stop_token_ids)
+    d["logit_bias"] = [list(p) for p in sp.logit_bias]
     return d
 
 
 def sampling_from_wire(d: dict) -> SamplingParams:
     d = dict(d)
     d["stop"], d["stop_token_ids"] = tuple(d.get("stop", ())), tuple(d.get("stop_token_ids", ()))
+    d["logit_bias"] = tuple((int(t), float(b)) for t, b in d.get("logit_bias", ()))
     return SamplingParams(**d)
 
 

@@ -30,7 +30,7 @@ import torch
 
 from ddserve.config.engine import EngineConfig, LiveParams
 from ddserve.engine.drafters import Drafter, ModelDrafter, NGramDrafter, NoDrafter
-from ddserve.engine.sampling import RequestStats, SamplingParams
+from ddserve.engine.sampling import Logprobs, RequestStats, SamplingParams
 from ddserve.engine.sequence import Sequence
 from ddserve.engine.static_engine import StaticEngine
 from ddserve.engine.weights import LoadedModel, load_model
@@ -46,6 +46,7 @@ class StepOutput:
     finish_reason: str | None
     fingerprint: str
     stats: RequestStats  # the request's statistics so far
+    logprobs: Logprobs | None = None  # raw log-probs of token_ids, when the request asks
 
 
 class EngineRequest:
@@ -273,17 +274,24 @@ class EngineRunner:
         finally:
             req.cancelled = True
 
-    def check_prompt(self, prompt: list[int]) -> None:
+    def check_prompt(self, prompt: list[int], sampling: SamplingParams | None = None) -> None:
         vocab = self.engine.model.cfg.vocab_size
         if any(not 0 <= t < vocab for t in prompt):
             raise InvalidRequest(f"token ids must be in [0, {vocab})", param="input_ids")
+        if sampling is not None:
+            bad = [t for t, _ in sampling.logit_bias if not 0 <= t < vocab]
+            if bad:
+                raise InvalidRequest(
+                    f"logit_bias: token id {bad[0]} is not in this model's vocabulary [0, {vocab})",
+                    param="logit_bias",
+                )
 
     def submit(self, req: EngineRequest) -> None:
         """Queue a request for the worker (which makes its sequence: its KV slot is a torch
         allocation, so torch stays in the worker thread). Cancel it with `req.cancelled`."""
         if not self.alive:
             raise EngineUnavailable("engine is not running")
-        self.check_prompt(req.prompt)
+        self.check_prompt(req.prompt, req.sampling)
         with self._cv:
             self._pending.append(req)
             self._cv.notify()
@@ -406,7 +414,10 @@ class EngineRunner:
                 self._fail(req, new)
                 continue
             seq = req.seq
-            req.deliver(StepOutput(new, seq.finished, seq.finish_reason, fingerprint, seq.stats))
+            lp = None if seq.logprobs is None else seq.logprobs.slice(len(seq.logprobs) - len(new))
+            req.deliver(
+                StepOutput(new, seq.finished, seq.finish_reason, fingerprint, seq.stats, lp)
+            )
 
     @staticmethod
     def _fail(req: EngineRequest, exc: BaseException) -> None:

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ddserve.engine.sampling import RequestStats, SamplingParams
+from ddserve.engine.sampling import Logprobs, RequestStats, SamplingParams
 
 # one sequence's result of a round: its new tokens, or the exception that ended it
 Outcome = list[int] | Exception
@@ -29,6 +29,9 @@ class Sequence:
     # target layer outputs of committed tokens the drafter has not seen yet (DFlash)
     hidden_new: list[torch.Tensor] = field(default_factory=list)
     tree_hidden: torch.Tensor | None = None  # the last verify's tapped outputs, all nodes
+    bias: torch.Tensor | None = None  # sampling.logit_bias as a dense [V] vector, or None
+    # raw log-probs of `output`, entry for entry, when sampling.logprobs asks for them
+    logprobs: Logprobs | None = None
 
     @property
     def finished(self) -> bool:

@@ -10,6 +10,12 @@ token for token is tests/engine/reference.py), over static state:
     in place, no per-round allocation), also graph-captured
   * argmax and the finiteness check inside the graph: one device->host copy per verify;
     accepted paths move in the pool with one gather/scatter for the whole batch
+  * logit_bias: added to the target's logits at every node of a biased request's tree
+    (outside the graph, only when a request of the round has one), before its tokens are
+    chosen, so speculation stays lossless under the bias
+  * raw log-probs of the emitted tokens from the verify's own logits at the accepted
+    path's rows (root + accepted nodes: the rows the emitted tokens were chosen at), only
+    for requests that ask, one device->host copy per round for all of them
 
 CUDA graphs only where CUDA is (`torch.compile` of the decoder layer when asked); on CPU the
 same code runs eagerly. Host work per round (tree build, accept walk, packing inputs) is
@@ -31,7 +37,13 @@ from ddserve.config.engine import MAX_TOPK, LiveParams
 from ddserve.engine.dflash import DFlashDrafter
 from ddserve.engine.drafters import DraftContext, Drafter
 from ddserve.engine.llama import Llama
-from ddserve.engine.sampling import SamplingParams, target_tokens
+from ddserve.engine.sampling import (
+    Logprobs,
+    SamplingParams,
+    bias_vector,
+    gather_logprobs,
+    target_tokens,
+)
 from ddserve.engine.sequence import Outcome, Sequence, truncate_at_stop
 from ddserve.engine.static import SlotCache, compile_layer_step, layer_step, next_bucket
 from ddserve.engine.static_models import StaticDFlash, StaticTarget, pack_draft, pack_target
@@ -169,6 +181,9 @@ class StaticEngine:
             list(prompt), sampling, cache, self.drafter.new_state(), gen, tokens=list(prompt)
         )
         seq.stats.prompt_tokens = len(prompt)
+        seq.bias = bias_vector(sampling.logit_bias, self.model.cfg.vocab_size, self.model.device)
+        if sampling.logprobs is not None:
+            seq.logprobs = Logprobs()
         if self.sdraft is not None:
             seq.draft_state = 0  # context entries written to the drafter's slot
             seq.pending = 0  # rows of sdraft.feats[slot] not yet written as context
@@ -279,6 +294,15 @@ class StaticEngine:
         packed = pack_target(tokens, pos, wpos, lens, np.arange(b), tree_m)
         t2 = time.perf_counter()
         logits, top, taps = self.target.forward(packed, b, w, ctx, True)
+        biased_greedy = [
+            (seq.cache.slot * w, tree.size, seq.bias)
+            for seq, tree in zip(seqs, trees, strict=True)
+            if seq.bias is not None and seq.sampling.greedy
+        ]
+        if biased_greedy:  # their argmax under the bias, into the same copy
+            top = top.clone()
+            for r0, n, bias in biased_greedy:
+                top[0, r0 : r0 + n] = (logits[r0 : r0 + n] + bias).argmax(-1)
         top = top.cpu().numpy()  # the one sync of the verify
         t3 = time.perf_counter()
         # decide every sequence's path first (no state changes: a failure here is its own)
@@ -292,10 +316,30 @@ class StaticEngine:
                     targets = top[0, r0 : r0 + tree.size].tolist()
                 else:
                     lg = logits[r0 : r0 + tree.size]
+                    if seq.bias is not None:
+                        lg = lg + seq.bias
                     targets = target_tokens(lg, seq.sampling, seq.generator).tolist()
                 decided.append(self.accept(tree, targets))
             except Exception as exc:  # noqa: BLE001 - this sequence's failure, not the round's
                 decided.append(exc)
+        # raw log-probs of the tokens each path emits, read at the rows they were chosen at
+        # (root + accepted nodes), for the requests that ask; shared, so before any commit
+        asking = [
+            (seq, tree, d)
+            for seq, tree, d in zip(seqs, trees, decided, strict=True)
+            if seq.logprobs is not None and not isinstance(d, Exception)
+        ]
+        round_logprobs = {}
+        if asking:
+            groups = []
+            for seq, tree, (path, bonus) in asking:
+                r0 = seq.cache.slot * w
+                rows = [r0 + i for i in (0, *path)]
+                groups.append(
+                    (rows, [tree.tokens[i] for i in path] + [bonus], seq.sampling.logprobs)
+                )
+            for (seq, _, _), lp in zip(asking, gather_logprobs(logits, groups), strict=True):
+                round_logprobs[id(seq)] = lp
         # move the accepted paths' KV (and drafter features) for the whole batch; this writes
         # only pending entries, so if it fails nothing committed has changed
         moves, src, dst = ([], [], []), [], []
@@ -336,6 +380,8 @@ class StaticEngine:
             new = truncate_at_stop(seq, new, self.eos_token_ids)
             seq.tokens.extend(new)
             seq.output.extend(new)
+            if seq.logprobs is not None:
+                seq.logprobs.extend(round_logprobs[id(seq)].slice(0, len(new)))
             out.append(new)
         t4 = time.perf_counter()
         tm = self.timing

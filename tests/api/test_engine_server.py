@@ -301,9 +301,6 @@ def test_a_huge_prompt_never_stalls_other_clients(engine_server):
 @pytest.mark.parametrize(
     "param, value",
     [
-        ("logprobs", True),
-        ("top_logprobs", 3),
-        ("logit_bias", {"42": 5}),
         ("frequency_penalty", 0.5),
         ("presence_penalty", 0.5),
         ("tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),

@@ -8,8 +8,11 @@ trees, accept rule, outputs and accept lengths.
       draft       drafter -> per-depth log-probs [L, V] over the windowed context
       build_tree  best-first tree of `budget` nodes (ddserve.engine.tree)
       verify      one target forward over [root + nodes] with the tree mask
-      accept      target token at every node; walk while it is a child; first miss = bonus
-      commit      keep the KV of root + accepted path; the bonus becomes the next root
+      accept      target token at every node (argmax or a sample of the logits plus the
+                  request's logit_bias); walk while it is a child; first miss = bonus
+      commit      keep the KV of root + accepted path; the bonus becomes the next root;
+                  raw log-probs (log_softmax of the unbiased logits) of the emitted tokens
+                  at the rows they were chosen at, when the request asks
 
 `budget=0` (or no draft) verifies the root alone: plain autoregressive decoding through the
 same code. Parameters are read once per round, so a live change is atomic per round.
@@ -27,7 +30,7 @@ from ddserve.config.engine import LiveParams
 from ddserve.engine.dflash import DFlashDrafter
 from ddserve.engine.drafters import DraftContext, Drafter
 from ddserve.engine.llama import Llama, linear
-from ddserve.engine.sampling import SamplingParams, target_tokens
+from ddserve.engine.sampling import Logprobs, SamplingParams, target_tokens
 from ddserve.engine.sequence import Outcome, Sequence, truncate_at_stop
 from ddserve.engine.static_engine import StaticEngine
 from ddserve.engine.tree import Tree, accept, build_tree, tree_mask
@@ -60,6 +63,12 @@ class ReferenceEngine:
             list(prompt), sampling, cache, self.drafter.new_state(), gen, tokens=list(prompt)
         )
         seq.stats.prompt_tokens = len(prompt)
+        if sampling.logit_bias:
+            seq.bias = torch.zeros(self.model.cfg.vocab_size, device=self.model.device)
+            for t, b in sampling.logit_bias:
+                seq.bias[t] = b
+        if sampling.logprobs is not None:
+            seq.logprobs = Logprobs()
         return seq
 
     @torch.inference_mode()
@@ -131,9 +140,21 @@ class ReferenceEngine:
         # logits: [n+1, V]
         if not torch.isfinite(logits).all():
             raise EngineError("the target produced non-finite logits (broken weights?)")
-        targets = target_tokens(logits, seq.sampling, seq.generator).tolist()
+        biased = logits if seq.bias is None else logits + seq.bias
+        targets = target_tokens(biased, seq.sampling, seq.generator).tolist()
         path, bonus = self.accept(tree, targets)
-        return self.commit(seq, tree, path, bonus)
+        new = self.commit(seq, tree, path, bonus)
+        if seq.logprobs is not None:
+            lp = torch.log_softmax(logits[[0, *path][: len(new)]].float(), dim=-1)
+            top = lp.topk(min(seq.sampling.logprobs, lp.shape[-1]), dim=-1)
+            seq.logprobs.extend(
+                Logprobs(
+                    [lp[i, t].item() for i, t in enumerate(new)],
+                    top.indices.tolist(),
+                    top.values.tolist(),
+                )
+            )
+        return new
 
     @torch.inference_mode()
     def step_batch(self, seqs: list[Sequence], params: LiveParams) -> list[Outcome]:

@@ -1,6 +1,7 @@
 """Lossless speculation: DDTree output == plain greedy decoding, and sampled output follows
 the target distribution exactly (checked against enumeration, with a wrong verifier that the
-same test must catch)."""
+same test must catch) — with a logit_bias too; and the log-probs returned are the target's
+raw ones at every emitted position."""
 
 import numpy as np
 import pytest
@@ -120,6 +121,59 @@ def test_greedy_equals_autoregressive_smollm2():
             )
 
 
+def plain_greedy(model, prompt, n, bias=None):
+    """The oracle for logit_bias and log-probs, sharing no code with the engine: one plain
+    forward over the whole context per token (no cache, no tree); the token is
+    argmax(logits + bias). Returns the tokens and log_softmax(logits) [V] at each."""
+    ids, out, logprobs = list(prompt), [], []
+    for _ in range(n):
+        cache = model.new_cache(capacity=len(ids) + 8)
+        logits = model(torch.tensor(ids), torch.arange(len(ids)), cache)[-1].float()
+        biased = logits.clone()
+        for t, b in (bias or {}).items():
+            biased[t] += b
+        out.append(int(biased.argmax()))
+        logprobs.append(torch.log_softmax(logits, dim=-1))
+        ids.append(out[-1])
+    return out, logprobs
+
+
+def assert_logprobs_match(lp, tokens, oracle, k):
+    """Engine log-probs (ddserve.engine.sampling.Logprobs) == the oracle's log_softmax at
+    every emitted position, within float32 rounding of differently shaped matmuls; the
+    top-k compared by value (robust to near-ties)."""
+    assert len(lp) == len(tokens)
+    for i, tok in enumerate(tokens):
+        ref = oracle[i]
+        assert abs(lp.chosen[i] - ref[tok].item()) < 1e-4, (i, lp.chosen[i], ref[tok].item())
+        assert len(lp.top_ids[i]) == len(lp.top_logprobs[i]) == k
+        want = ref.topk(k).values.tolist()
+        assert np.allclose(lp.top_logprobs[i], want, atol=1e-4), i
+        assert np.allclose(ref[lp.top_ids[i]].tolist(), lp.top_logprobs[i], atol=1e-4), i
+
+
+@pytest.mark.parametrize("budget,topk,window", [(0, 1, 2048), (8, 4, 2048), (16, 4, 4)])
+def test_logit_bias_and_logprobs_equal_plain_decoding(tiny, budget, topk, window):
+    """A bias that changes the greedy path: every drafter's speculative output == plain
+    greedy decoding under the same bias, token for token; the log-probs are the raw (unbiased)
+    log_softmax of a plain forward at each emitted position."""
+    prompt, n = PROMPTS[0], 24
+    unbiased, _ = plain_greedy(tiny, prompt, n)
+    bias = {unbiased[2]: -100.0, unbiased[7]: -100.0, 300: 2.5, 301: -3.0}
+    want, oracle = plain_greedy(tiny, prompt, n, bias)
+    assert want[:2] == unbiased[:2] and want != unbiased  # the bias changed the path
+    sampling = SamplingParams(max_tokens=n, logprobs=3, logit_bias=tuple(bias.items()))
+    taus = {}
+    for name, drafter in drafters(tiny).items():
+        eng = one_engine(tiny, drafter, 6)
+        seq = eng.generate(prompt, sampling, LiveParams(budget=budget, topk=topk, window=window))
+        assert seq.output == want, name
+        assert_logprobs_match(seq.logprobs, seq.output, oracle, 3)
+        taus[name] = seq.stats.tau
+    if budget >= 8 and window >= 64:  # drafts were accepted under the bias: nodes verified
+        assert taus["draft-model-self"] > 2.0
+
+
 # -- sampling ---------------------------------------------------------------------------
 V = 6
 
@@ -145,12 +199,16 @@ def reference_probs(logits: np.ndarray, t: float, top_p: float, top_k: int) -> n
     return p
 
 
-def exact_pairs(model, prompt, t, top_p, top_k) -> np.ndarray:
-    """P(first two tokens = (a, b)) by enumeration with plain forwards."""
+def exact_pairs(model, prompt, t, top_p, top_k, bias=None) -> np.ndarray:
+    """P(first two tokens = (a, b)) by enumeration with plain forwards (logits + bias)."""
+    add = np.zeros(V)
+    for tok, b in (bias or {}).items():
+        add[tok] = b
 
     def next_logits(ids):
         cache = model.new_cache()
-        return model(torch.tensor(ids), torch.arange(len(ids)), cache)[-1].double().numpy()
+        logits = model(torch.tensor(ids), torch.arange(len(ids)), cache)[-1].double().numpy()
+        return logits + add
 
     p1 = reference_probs(next_logits(prompt), t, top_p, top_k)
     out = np.zeros((V, V))
@@ -175,7 +233,7 @@ class WrongVerifier(StaticEngine):
         return path, targets[node]
 
 
-def sample_pairs(engine_cls, target, draft, t, top_p, top_k, n):
+def sample_pairs(engine_cls, target, draft, t, top_p, top_k, n, bias=None):
     eng = one_engine(target, ModelDrafter(draft), 3, engine=engine_cls)
     params = LiveParams(budget=6, topk=3)
     counts = np.zeros(V * V)
@@ -184,7 +242,13 @@ def sample_pairs(engine_cls, target, draft, t, top_p, top_k, n):
         seq = eng.generate(
             [1, 2, 3],
             SamplingParams(
-                temperature=t, top_p=top_p, top_k=top_k, max_tokens=2, ignore_eos=True, seed=seed
+                temperature=t,
+                top_p=top_p,
+                top_k=top_k,
+                max_tokens=2,
+                ignore_eos=True,
+                seed=seed,
+                logit_bias=tuple((bias or {}).items()),
             ),
             params,
         )
@@ -212,11 +276,20 @@ def toy():
     return random_llama(cfg, seed=11), random_llama(cfg, seed=12)
 
 
-@pytest.mark.parametrize("t,top_p,top_k", [(0.7, 1.0, 0), (1.0, 1.0, 4), (1.5, 0.9, 0)])
-def test_sampling_follows_target_distribution(toy, t, top_p, top_k):
+# a bias that moves mass (and forbids token 2): added before temperature and top-k
+BIAS = {0: 1.5, 2: -100.0, 4: -0.7}
+
+
+@pytest.mark.parametrize(
+    "t,top_p,top_k,bias", [(0.7, 1.0, 0, None), (1.0, 1.0, 4, BIAS), (1.5, 0.9, 0, None)]
+)
+def test_sampling_follows_target_distribution(toy, t, top_p, top_k, bias):
     target, draft = toy
-    probs = exact_pairs(target, [1, 2, 3], t, top_p, top_k)
-    counts, rounds = sample_pairs(StaticEngine, target, draft, t, top_p, top_k, 2500)
+    probs = exact_pairs(target, [1, 2, 3], t, top_p, top_k, bias)
+    if bias:  # a sampler that ignored the bias would fail below
+        unbiased = exact_pairs(target, [1, 2, 3], t, top_p, top_k)
+        assert 0.5 * np.abs(probs - unbiased).sum() > 0.2
+    counts, rounds = sample_pairs(StaticEngine, target, draft, t, top_p, top_k, 2500, bias)
     assert rounds < 1.9, "drafts were never accepted: the test would prove nothing"
     assert chi2_pvalue(counts, probs) > 1e-3
     tv = 0.5 * np.abs(counts / counts.sum() - probs).sum()

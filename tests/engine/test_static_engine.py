@@ -19,7 +19,7 @@ from ddserve.engine.weights import random_llama, tiny_config
 from ddserve.errors import EngineError
 from tests.engine.reference import ReferenceDFlash, ReferenceEngine
 from tests.engine.test_batching import PROMPTS, check_batched_sampling, run_lockstep
-from tests.engine.test_lossless import random_dflash
+from tests.engine.test_lossless import assert_logprobs_match, plain_greedy, random_dflash
 
 LENGTHS = [30, 12, 25, 40, 5]
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
@@ -127,6 +127,63 @@ def test_runner_queues_requests_beyond_the_pool():
         assert runner.engine.free_slots == 2
     finally:
         runner.shutdown()
+
+
+def plain_logprobs(model, prompt, tokens):
+    """log_softmax of a plain forward's logits before each of `tokens` (the oracle)."""
+    out = []
+    for i in range(len(tokens)):
+        ids = prompt + tokens[:i]
+        logits = model(
+            torch.tensor(ids, device=model.device),
+            torch.arange(len(ids), device=model.device),
+            model.new_cache(capacity=len(ids) + 8),
+        )[-1]
+        out.append(torch.log_softmax(logits.float(), dim=-1).cpu())
+    return out
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=cuda)])
+def test_logprobs_and_logit_bias_in_mixed_batches(tiny, device):
+    """Requests with log-probs, with a logit_bias, with both and with neither share rounds
+    (two join late): each gets the reference engine's output for it alone, its log-probs are a
+    plain forward's log_softmax at every emitted position, and requests that did not ask get
+    none. The sampled one never emits the token its bias forbids. On CUDA: graphs on."""
+    model = tiny if device == "cpu" else random_llama(tiny_config(vocab_size=512), seed=3).cuda()
+    params = LiveParams(budget=6, topk=2)
+    unbiased, _ = plain_greedy(model, PROMPTS[1], 4)
+    bias = ((unbiased[1], -100.0), (300, 1.5), (7, 4.0))
+    sampling = [
+        SamplingParams(max_tokens=16, logprobs=2),
+        SamplingParams(max_tokens=12, logit_bias=bias),
+        SamplingParams(max_tokens=12, logprobs=0, logit_bias=bias),
+        SamplingParams(max_tokens=20),
+        SamplingParams(max_tokens=12, temperature=1.0, seed=3, logprobs=4, logit_bias=bias),
+    ]
+    ref = ReferenceEngine(model, NGramDrafter(512), 6, ())
+    alone = [ref.generate(p, sp, params) for p, sp in zip(PROMPTS, sampling, strict=True)]
+    eng = StaticEngine(model, NGramDrafter(512), 6, (), slots=8, max_context=256, graphs=True)
+    seqs = [eng.new_sequence(p, sp) for p, sp in zip(PROMPTS, sampling, strict=True)]
+    joined: set[int] = set()
+    for rnd in range(100):
+        for i, seq in enumerate(seqs):
+            if i not in joined and (i not in (2, 4) or rnd >= 2):
+                eng.prefill(seq)
+                joined.add(i)
+        active = [s for i, s in enumerate(seqs) if i in joined and not s.finished]
+        if not active and len(joined) == len(seqs):
+            break
+        eng.step_batch(active, params)
+    for i in (0, 1, 2, 3):  # greedy: token for token the reference's
+        assert seqs[i].output == alone[i].output, i
+    assert seqs[1].logprobs is None and seqs[3].logprobs is None
+    assert seqs[1].output != ref.generate(PROMPTS[1], SamplingParams(max_tokens=12), params).output
+    assert unbiased[1] not in seqs[4].output and len(seqs[4].output) == 12
+    for i, k in ((0, 2), (2, 0), (4, 4)):
+        s = seqs[i]
+        assert_logprobs_match(s.logprobs, s.output, plain_logprobs(model, s.prompt, s.output), k)
+    if device == "cuda":
+        assert eng.target.graphs.graphs
 
 
 @cuda

@@ -128,6 +128,16 @@ def test_engine_4xx_becomes_an_openai_error_and_params_follow_sglang_rules(serve
             async for _ in b.stream([1], SamplingParams(max_tokens=5000)):
                 pass
         assert e.value.status_code == 400 and e.value.param == "max_new_tokens"
+        n = len(SEEN)  # not passed on to SGLang: refused by name, nothing sent
+        for sp, param in [
+            (SamplingParams(logprobs=0), "logprobs"),
+            (SamplingParams(logit_bias=((5, 1.0),)), "logit_bias"),
+        ]:
+            with pytest.raises(InvalidRequest) as e:
+                async for _ in b.stream([1], sp):
+                    pass
+            assert e.value.param == param
+        assert len(SEEN) == n
         with pytest.raises(Conflict, match="restart"):
             await b.update_params({"budget": 16})
         before = b.fingerprint
