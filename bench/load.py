@@ -7,7 +7,7 @@ its last one ends). The level's clock is aiperf's benchmark duration: from the f
 request's start to the last measured request's end, so the window holds measured work only,
 and output tok/s = the measured requests' output tokens / that window (requests/s likewise).
 
-The C workers can be spread over N processes (`procs`, ddserve.bench.load_procs), each on
+The C workers can be spread over N processes (`procs`: ddserve.bench.load_procs.run_level), each on
 its own event loop, all taking request numbers from one shared counter, a barrier starting
 the measured phase in every process at once; timestamps are `time.perf_counter`
 (CLOCK_MONOTONIC: one clock for every process on the machine) and the results are merged.
@@ -302,28 +302,6 @@ def run_loop(coro):
         return asyncio.run(coro)
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
         return runner.run(coro)
-
-
-def run_level(
-    spec: RequestSpec,
-    concurrency: int,
-    requests: int,
-    warmup: int,
-    procs: int = 1,
-    on_done=None,
-) -> dict:
-    """One level over HTTP: in this process (procs=1), or spread over `procs` processes."""
-    procs = max(1, min(procs, concurrency))
-    if procs > 1:
-        from ddserve.bench.load_procs import run_procs
-
-        return run_procs(spec, concurrency, requests, warmup, procs, on_done)
-
-    async def go():
-        async with sender(spec, concurrency) as send:
-            return await closed_loop(send, concurrency, requests, warmup, on_done)
-
-    return run_loop(go())
 
 
 def summarize(results: list[RequestResult], concurrency: int, cpus: list[dict]) -> dict:

@@ -11,7 +11,15 @@ from __future__ import annotations
 
 import multiprocessing as mp
 
-from ddserve.bench.load import RequestSpec, Tickets, phases, run_loop, sender, summarize
+from ddserve.bench.load import (
+    RequestSpec,
+    Tickets,
+    closed_loop,
+    phases,
+    run_loop,
+    sender,
+    summarize,
+)
 from ddserve.errors import OperationFailed
 
 
@@ -94,3 +102,23 @@ def run_procs(
         raise OperationFailed(f"load client failed: {failed[0]}")
     results = [r for rs, _ in answers for r in rs]
     return summarize(results, concurrency, [cpu for _, cpu in answers])
+
+
+def run_level(
+    spec: RequestSpec,
+    concurrency: int,
+    requests: int,
+    warmup: int,
+    procs: int = 1,
+    on_done=None,
+) -> dict:
+    """One level over HTTP: in this process (procs=1), or spread over `procs` processes."""
+    procs = max(1, min(procs, concurrency))
+    if procs > 1:
+        return run_procs(spec, concurrency, requests, warmup, procs, on_done)
+
+    async def go():
+        async with sender(spec, concurrency) as send:
+            return await closed_loop(send, concurrency, requests, warmup, on_done)
+
+    return run_loop(go())

@@ -183,7 +183,7 @@ def client_procs(text: str) -> int:
 
 
 def measure(a, spec, levels: list[int]) -> list[dict]:
-    from ddserve.bench.load import run_level
+    from ddserve.bench.load_procs import run_level
 
     rows = []
     for c in levels:
