@@ -25,7 +25,15 @@ prompts=${PROMPTS:-mixed}
 tokens=${TOKENS:-128}
 export DDSERVE_ADMIN_TOKEN=${DDSERVE_ADMIN_TOKEN:-serving-path-bench}
 mkdir -p "$out"
-bench_flags="--concurrency $levels --requests $req --max-tokens $tokens --prompts $prompts --no-progress"
+
+bench_levels() {  # URL OUTDIR: one `ddserve bench` per level, max(REQ, 2C) requests each (as
+    # engine_load counts them), so every path measures the same number of requests per level
+    for c in ${levels//,/ }; do
+        n=$((2 * c > req ? 2 * c : req))
+        $py -m ddserve bench --url "$1" --out "$2-C$c" --concurrency "$c" --requests "$n" \
+            --max-tokens "$tokens" --prompts "$prompts" --no-progress | grep -E "^ +$c "
+    done
+}
 
 wait_url() {  # until a real answer on /v1/models
     $py - "$1" <<'PY'
@@ -55,14 +63,14 @@ for part in $parts; do
         pid=$!
         if wait_url "http://127.0.0.1:$port"; then
             echo "http: engine ready after ${SECONDS}s"
-            $py -m ddserve bench --url "http://127.0.0.1:$port" --out "$out/http-b16k4" $bench_flags
+            bench_levels "http://127.0.0.1:$port" "$out/http-b16k4"
             $py - $port <<'PY'
 import os, sys, httpx
 r = httpx.post(f"http://127.0.0.1:{sys.argv[1]}/admin/params", json={"budget": 0},
                headers={"Authorization": "Bearer " + os.environ["DDSERVE_ADMIN_TOKEN"]})
 print("budget 0:", r.status_code, r.text[:200])
 PY
-            $py -m ddserve bench --url "http://127.0.0.1:$port" --out "$out/http-b0" $bench_flags
+            bench_levels "http://127.0.0.1:$port" "$out/http-b0"
         else
             echo "http: engine did not come up"; tail -5 "$out/http-engine.log"
         fi
@@ -89,9 +97,9 @@ health: {period_s: 10, timeout_s: 120, recent_traffic_s: 10, engine_start_timeou
 EOF
         if $py -m ddserve up --config "$cfg" >"$out/$part-up.log" 2>&1; then
             echo "$part: ready after ${SECONDS}s"
-            $py -m ddserve bench --url http://127.0.0.1:8000 --out "$out/$part-b16k4" $bench_flags
+            bench_levels http://127.0.0.1:8000 "$out/$part-b16k4"
             $py -m ddserve reconfig set budget=0 --config "$cfg" >>"$out/$part-up.log" 2>&1
-            $py -m ddserve bench --url http://127.0.0.1:8000 --out "$out/$part-b0" $bench_flags
+            bench_levels http://127.0.0.1:8000 "$out/$part-b0"
         else
             echo "$part: up failed"; tail -5 "$out/$part-up.log"
         fi

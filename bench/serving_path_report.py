@@ -3,7 +3,8 @@
     python -m ddserve.bench.serving_path_report OUT
 
 Reads OUT/inproc.json (ddserve.bench.engine_load) and OUT/<path>-<config>/bench.json
-(`ddserve bench`), prints one table (tok/s, ratio to in-process, TTFT and ITL p50/p99,
+(`ddserve bench`), OUT/<path>-<config>-C<level>/bench.json (one per level) or
+OUT/<path>-<config>.json (a copied result), prints one table (tok/s, ratio to in-process, TTFT and ITL p50/p99,
 client CPU where the load generator reports it), writes OUT/serving_path.json and .png.
 """
 
@@ -28,10 +29,14 @@ def load(out: Path) -> list[dict]:
             rows.append({"path": "inproc", "config": cfg["config"], **_pick(lv)})
     for path in PATHS:
         for short, name in CONFIGS.items():
-            f = out / f"{path}-{short}" / "bench.json"
-            if not f.exists():
-                continue
-            for lv in json.loads(f.read_text())["levels"]:
+            files = sorted(out.glob(f"{path}-{short}-C*/bench.json"))  # one run per level
+            files += [
+                f
+                for f in (out / f"{path}-{short}" / "bench.json", out / f"{path}-{short}.json")
+                if f.exists()
+            ]
+            levels = [lv for f in files for lv in json.loads(f.read_text())["levels"]]
+            for lv in sorted(levels, key=lambda lv: lv["concurrency"]):
                 row = {"path": path, "config": name, **_pick(lv)}
                 ref = base.get((name, lv["concurrency"]))
                 if ref and ref.get("output_tok_s"):
