@@ -22,7 +22,7 @@ from pathlib import Path
 import httpx
 import torch
 
-from ddserve.bench.prompts import CHAT_PROMPTS, chat_ids, prompt_texts
+from ddserve.bench.prompts import CHAT_PROMPTS, chat_ids, named_set
 from ddserve.config.engine import LiveParams
 from ddserve.engine.dflash import BUILTIN, DFlashDrafter, load_dflash, load_draft_vocab
 from ddserve.engine.drafters import ModelDrafter, NGramDrafter, NoDrafter
@@ -71,7 +71,7 @@ def make_drafter(kind: str, m, dflash_dir: str | None):
 
 def prompt_set(name: str) -> list[str]:
     if name in ("chat", "humaneval", "mixed"):
-        return prompt_texts(name)
+        return named_set(name)
     from ddserve.training.prompts import heldout_prompts
 
     held = heldout_prompts()  # 8 chat prompts, then held-out HumanEval problems

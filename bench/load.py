@@ -16,8 +16,8 @@ over its wall time: an event loop near 1.0 is saturated, and the level then meas
 client, not the server.
 
 Requests go through bench/http1.py, a minimal HTTP/1.1 client (about a quarter of httpx's CPU
-per streamed chunk), on uvloop when it is installed; `RequestSpec.transport="httpx"` keeps
-httpx for comparison and bench/soak.py.
+per streamed chunk), on uvloop when it is installed; `RequestSpec.transport="httpx"`
+(`ddserve bench --transport httpx`) goes through httpx instead, as bench/soak.py does.
 
 Per request: time to first token (first content chunk), inter-token latency (gaps between
 content chunks divided by the tokens they carry when the server says so, else per chunk),

@@ -1,8 +1,11 @@
-"""Chat-style benchmark prompts (written for ddserve; a mix of code, editing and Q&A)."""
+"""Benchmark prompts: the chat set (written for ddserve; a mix of code, editing and Q&A), the
+named sets of `ddserve bench --prompts`, and synthetic prompts of a given token count."""
 
 import itertools
+from pathlib import Path
 
 from ddserve.api.text import render_chat
+from ddserve.errors import ConfigError
 
 
 def chat_ids(tokenizer, texts: list[str]) -> list[list[int]]:
@@ -59,9 +62,9 @@ def synthetic_prompts(n_tokens: int, count: int, tokenizer=None) -> list[str]:
     return prompts
 
 
-def prompt_texts(kind: str) -> list[str]:
-    """The prompt sets of `ddserve bench --prompts` (and of ddserve.bench.engine_load, so both
-    paths run the same prompts): chat, humaneval, or mixed (the two interleaved)."""
+def named_set(kind: str) -> list[str]:
+    """`--prompts humaneval|chat|mixed`: HumanEval's 164 problems, the chat set, or both
+    interleaved."""
     if kind == "chat":
         return list(CHAT_PROMPTS)
     from ddserve.bench.humaneval import humaneval_chat_prompts
@@ -70,3 +73,33 @@ def prompt_texts(kind: str) -> list[str]:
     if kind == "humaneval":
         return he
     return [p for pair in zip(he, itertools.cycle(CHAT_PROMPTS), strict=False) for p in pair]
+
+
+def local_model_spec(model: str) -> bool:
+    """Whether `model` names a model whose tokenizer loads without a network."""
+    return (
+        model == "smollm2-135m"
+        or model.startswith("tiny-random")
+        or (model.endswith(".gguf") and Path(model).is_file())
+        or Path(model).is_dir()
+    )
+
+
+def synthetic_set(
+    n_tokens: int, count: int, model: str, tokenizer_spec: str | None = None
+) -> tuple[list[str], str]:
+    """`--prompts synthetic`: the prompts, counted by the tokenizer of `tokenizer_spec` (an
+    error if it cannot be loaded) or of the served `model` when that is a local model (words
+    if it cannot be loaded); and how they were counted."""
+    spec = tokenizer_spec or (model if local_model_spec(model) else None)
+    tokenizer = None
+    if spec:
+        from ddserve.engine.weights import load_tokenizer
+
+        try:
+            tokenizer = load_tokenizer(spec)
+        except ConfigError:
+            if tokenizer_spec:
+                raise
+    how = f"tokenizer of {spec}" if tokenizer is not None else "words, about 1 token each"
+    return synthetic_prompts(n_tokens, count, tokenizer), f"synthetic {n_tokens} tokens ({how})"

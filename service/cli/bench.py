@@ -74,6 +74,13 @@ def add_parsers(sub) -> None:
         "machine's cores, at least 1, at most C); raise it when the table warns that a "
         "client process is near a full core",
     )
+    b.add_argument(
+        "--transport",
+        default="http1",
+        choices=["http1", "httpx"],
+        help="http1 (default): the bench's own HTTP/1.1 client (bench/http1.py); httpx: the "
+        "general client (proxies, HTTP/2), ~4x the CPU per streamed chunk",
+    )
     b.add_argument("--out", default=None, help="results folder (default bench/results/bench-TIME)")
     b.add_argument(
         "--sweep",
@@ -130,42 +137,6 @@ def parse_sweep(items: list[str]) -> list[dict[str, int]]:
             raise ConfigError(f"--sweep {item!r}: no values")
     names = list(axes)
     return [dict(zip(names, combo, strict=True)) for combo in itertools.product(*axes.values())]
-
-
-def load_prompts(kind: str) -> list[str]:
-    from ddserve.bench.prompts import prompt_texts
-
-    return prompt_texts(kind)
-
-
-def local_model_spec(model: str) -> bool:
-    """Whether `model` names a model load_tokenizer reads without a network."""
-    return (
-        model == "smollm2-135m"
-        or model.startswith("tiny-random")
-        or (model.endswith(".gguf") and Path(model).is_file())
-        or Path(model).is_dir()
-    )
-
-
-def synthetic(a, model: str) -> tuple[list[str], str]:
-    """Synthetic prompts and how their length was counted."""
-    from ddserve.bench.prompts import synthetic_prompts
-
-    n = a.prompt_tokens or 256
-    spec = a.tokenizer or (model if local_model_spec(model) else None)
-    tokenizer = None
-    if spec:
-        from ddserve.engine.weights import load_tokenizer
-
-        try:
-            tokenizer = load_tokenizer(spec)
-        except ConfigError:
-            if a.tokenizer:
-                raise
-    how = f"tokenizer of {spec}" if tokenizer is not None else "words, about 1 token each"
-    count = max(64, a.requests + a.warmup)
-    return synthetic_prompts(n, count, tokenizer), f"synthetic {n} tokens ({how})"
 
 
 def client_procs(text: str) -> int:
@@ -318,6 +289,7 @@ def run_sweep(a, spec, out: Path) -> dict:
 
 def dispatch(a) -> int:
     from ddserve.bench.load import RequestSpec
+    from ddserve.bench.prompts import named_set, synthetic_set
 
     levels = parse_levels(a.concurrency)
     if a.requests < 1 or a.warmup < 0 or a.max_tokens < 1:
@@ -338,9 +310,10 @@ def dispatch(a) -> int:
     models = get_json(a.url.rstrip("/") + "/v1/models", headers=client_api_key())
     model = a.model or models["data"][0]["id"]
     if a.prompts == "synthetic":
-        prompts, described = synthetic(a, model)
+        n, count = a.prompt_tokens or 256, max(64, a.requests + a.warmup)
+        prompts, described = synthetic_set(n, count, model, a.tokenizer)
     else:
-        prompts = load_prompts(a.prompts)
+        prompts = named_set(a.prompts)
         described = f"{a.prompts} ({len(prompts)})"
     spec = RequestSpec(
         url=a.url.rstrip("/"),
@@ -351,6 +324,7 @@ def dispatch(a) -> int:
         ignore_eos=not a.no_ignore_eos,
         timeout=a.timeout,
         headers=client_api_key(),
+        transport=a.transport,
     )
     out = Path(a.out or f"bench/results/bench-{time.strftime('%Y%m%d-%H%M%S')}")
     out.mkdir(parents=True, exist_ok=True)
@@ -364,6 +338,7 @@ def dispatch(a) -> int:
         "requests_per_level": a.requests,
         "warmup_per_level": a.warmup,
         "client_procs": f"{a.client_procs} ({a.procs}, at most C)",
+        "transport": a.transport,
         "clock": "first measured request's start to last measured request's end; warm-up "
         "finished before",
         "command": "ddserve bench " + " ".join(sys.argv[2:]),
