@@ -26,6 +26,7 @@ class TokenLogprob:
     top: list[tuple[int, float]]
     offset: int
 
+
 T = TypeVar("T")
 
 

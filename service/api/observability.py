@@ -279,15 +279,17 @@ class MeteredBackend:
         lengths = st.accept_lengths or [st.tau] * st.verify_rounds
         for n in lengths:
             ex.observe("accept_length", n)
+        # drafted nodes as the engine counted them (builtin), else the configured tree's size
         size = tree_size(params.budget, params.topk, self.drafter_depth)
-        if not size:
+        drafted = st.draft_tokens or len(lengths) * size
+        if not drafted:
             return
         drafts = len(lengths)
         accepted = [max(0, round(n) - 1) for n in lengths]  # the bonus token is not drafted
         ex.inc("spec_decode_num_drafts", drafts)
-        ex.inc("spec_decode_num_draft_tokens", drafts * size)
+        ex.inc("spec_decode_num_draft_tokens", drafted)
         ex.inc("spec_decode_num_accepted_tokens", sum(accepted))
-        t["draft_tokens"] += drafts * size
+        t["draft_tokens"] += drafted
         t["accepted_tokens"] += sum(accepted)
         for pos in range(max(accepted, default=0)):
             ex.inc(

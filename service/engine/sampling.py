@@ -164,6 +164,7 @@ class RequestStats:
     verify_s: float = 0.0
     prefill_s: float = 0.0
     accept_lengths: list[int] = field(default_factory=list)  # committed tokens per round
+    draft_tokens: int = 0  # tree nodes drafted (roots excluded), as the engine built them
 
     @property
     def tau(self) -> float:

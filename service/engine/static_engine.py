@@ -388,10 +388,11 @@ class StaticEngine:
         tm["rounds"] += 1
         tm["verify_s"] += t3 - t2
         tm["accept_s"] += t4 - t3 + t2 - t1
-        for seq, new in zip(seqs, out, strict=True):
+        for seq, new, tree in zip(seqs, out, trees, strict=True):
             if isinstance(new, Exception):
                 continue
             st = seq.stats
+            st.draft_tokens += tree.size - 1
             st.draft_s += (t1 - t0) / len(seqs)
             st.verify_s += t4 - t1
             st.verify_rounds += 1

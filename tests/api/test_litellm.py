@@ -67,3 +67,33 @@ def test_the_api_key_authenticates(hf_engine):
     with pytest.raises(litellm.AuthenticationError) as e:
         completion("wrong-key")
     assert "API key" in str(e.value) or "api key" in str(e.value).lower()
+
+
+def test_logprobs_and_logit_bias_through_litellm(call):
+    plain = call(logprobs=True, top_logprobs=2)
+    content = plain.choices[0].logprobs["content"]
+    assert len(content) == 6
+    first = content[0]
+    assert first["logprob"] <= 0 and len(first["top_logprobs"]) >= 2
+    # forbid the greedy first token: the answer must change, and its logprob (raw, before the
+    # bias) is still reported among the alternatives
+    from ddserve.engine.weights import load_tokenizer
+
+    tok = load_tokenizer(MODEL)
+    first_id = tok.encode(first["token"], add_special_tokens=False)
+    if len(first_id) == 1:
+        biased = call(logit_bias={str(first_id[0]): -100})
+        assert biased.choices[0].message.content != plain.choices[0].message.content
+
+
+def test_list_prompts_through_litellm_text_completion(engine_server):
+    r = litellm.text_completion(
+        model=f"openai/{MODEL}",
+        api_base=engine_server.url + "/v1",
+        api_key="unused",
+        prompt=["One", "Two three"],
+        max_tokens=4,
+        temperature=0,
+    )
+    assert [c.index for c in r.choices] == [0, 1]
+    assert all(c.text for c in r.choices) and r.usage.completion_tokens == 8
