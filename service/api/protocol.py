@@ -271,6 +271,37 @@ class NativeSampling(_Body):
 
     _temperature = field_validator("temperature")(_temperature_floor)
 
+    @model_validator(mode="after")
+    def _refused(self) -> NativeSampling:
+        """SGLang's sampling parameters that would change the answer and this engine does not
+        do: a 400 naming them (never silently ignored), unless at a value that changes
+        nothing."""
+        for name, value in (self.model_extra or {}).items():
+            if name in NATIVE_REFUSED and value not in NATIVE_REFUSED[name]:
+                raise ValueError(
+                    f"{name}={value!r} is not supported by this engine (accepted only as {NATIVE_REFUSED[name][0]!r} or left out)"
+                )
+        return self
+
+
+# SGLang's /generate sampling_params this engine does not honour -> the values that are no-ops
+NATIVE_REFUSED: dict[str, tuple] = {
+    "frequency_penalty": (0.0, None),
+    "presence_penalty": (0.0, None),
+    "repetition_penalty": (1.0, None),
+    "min_new_tokens": (0, None),
+    "min_p": (0.0, None),
+    "n": (1, None),
+    "logit_bias": (None, {}),
+    "regex": (None,),
+    "json_schema": (None,),
+    "ebnf": (None,),
+    "structural_tag": (None,),
+    "custom_params": (None,),
+    "skip_special_tokens": (True, None),
+    "spaces_between_special_tokens": (True, None),
+}
+
 
 class GenerateRequest(_Body):
     """SGLang's native /generate: text or input_ids, sampling_params, stream."""

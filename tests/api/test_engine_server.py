@@ -392,3 +392,14 @@ def test_a_hugging_face_model_directory_serves_chat_with_its_template(hf_engine)
         time.sleep(0.2)
         log = eng.log_path.read_text()
     assert access in log and stats in log
+
+
+def test_native_generate_refuses_sglang_sampling_params_it_does_not_honour(engine_server):
+    url = engine_server.url + "/generate"
+    for name, value in (("logit_bias", {"5": 3.0}), ("frequency_penalty", 0.5), ("regex", "a+")):
+        r = httpx.post(url, json={"text": "hi", "sampling_params": {name: value}})
+        assert r.status_code == 400 and name in r.json()["error"]["message"], (name, r.text)
+    ok = httpx.post(
+        url, json={"text": "hi", "sampling_params": {"frequency_penalty": 0.0, "max_new_tokens": 2}}
+    )
+    assert ok.status_code == 200
