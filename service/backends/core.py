@@ -212,6 +212,15 @@ class CoreBackend:
 
     # -- the channel --------------------------------------------------------------------
     async def _read(self) -> None:
+        try:
+            await self._read_forever()
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # a broken channel: fail everything now rather than hang
+            log.error("engine core channel failed: %s", exc, exc_info=exc)
+            self._fail_all(EngineUnavailable(f"engine core channel failed: {exc}"))
+
+    async def _read_forever(self) -> None:
         while True:
             msg = ipc.unpack(await self._pull.recv())
             kind = msg[0]
@@ -232,15 +241,21 @@ class CoreBackend:
         code = self.process.proc.returncode
         msg = f"engine core process {self.process.pid} exited with code {code}"
         log.error("%s; failing %d requests in flight", msg, len(self._streams))
-        self._dead = EngineUnavailable(msg)
+        self._fail_all(EngineUnavailable(msg))
+
+    def _fail_all(self, exc: EngineUnavailable) -> None:
+        """Every stream and call in flight ends with `exc`; so does every later one."""
+        if self._dead is not None:
+            return
+        self._dead = exc
         for s in self._streams.values():
-            s.queue.put_nowait(self._dead)
+            s.queue.put_nowait(exc)
         for fut in self._calls.values():
             if not fut.done():
-                fut.set_exception(self._dead)
+                fut.set_exception(exc)
         self._calls.clear()
         if self.on_death is not None:
-            self.on_death(msg)
+            self.on_death(exc.message)
 
     def alive(self) -> bool:
         return self._dead is None and self.process.alive()
