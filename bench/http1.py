@@ -23,11 +23,9 @@ import ssl
 from collections.abc import AsyncIterator
 from urllib.parse import urlsplit
 
+from ddserve.errors import EngineError
+
 READ = 1 << 16
-
-
-class ProtocolError(Exception):
-    """The server's answer is not HTTP/1.1 as this client reads it."""
 
 
 class Response:
@@ -45,7 +43,7 @@ class Response:
             while left > 0:
                 piece = await self.reader.read(min(left, READ))
                 if not piece:
-                    raise ProtocolError("connection closed inside the body")
+                    raise EngineError("connection closed inside the body")
                 left -= len(piece)
                 yield piece
         else:  # delimited by the server closing the connection
@@ -60,22 +58,22 @@ class Response:
         while True:
             while b"\r\n" not in buf:
                 if not (more := await self.reader.read(READ)):
-                    raise ProtocolError("connection closed inside a chunked body")
+                    raise EngineError("connection closed inside a chunked body")
                 buf += more
             line, buf = buf.split(b"\r\n", 1)
             try:
                 size = int(line.split(b";", 1)[0], 16)
             except ValueError:
-                raise ProtocolError(f"bad chunk size line {line[:40]!r}") from None
+                raise EngineError(f"bad chunk size line {line[:40]!r}") from None
             if size == 0:  # the last chunk: optional trailer lines, then an empty line
                 while not (buf.startswith(b"\r\n") or b"\r\n\r\n" in buf):
                     if not (more := await self.reader.read(READ)):
-                        raise ProtocolError("connection closed before a chunked body's end")
+                        raise EngineError("connection closed before a chunked body's end")
                     buf += more
                 return
             while len(buf) < size + 2:
                 if not (more := await self.reader.read(READ)):
-                    raise ProtocolError("connection closed inside a chunk")
+                    raise EngineError("connection closed inside a chunk")
                 buf += more
             piece, buf = buf[:size], buf[size + 2 :]
             yield piece
@@ -130,10 +128,10 @@ class Pool:
         response = None
         try:
             if not status_line:
-                raise ProtocolError("the server closed the connection without an answer")
+                raise EngineError("the server closed the connection without an answer")
             version, _, rest = status_line.decode("latin-1").partition(" ")
             if not version.startswith("HTTP/1."):
-                raise ProtocolError(f"not an HTTP/1.x status line: {status_line[:60]!r}")
+                raise EngineError(f"not an HTTP/1.x status line: {status_line[:60]!r}")
             headers: dict[str, str] = {}
             while (line := await reader.readline()) not in (b"\r\n", b"\n", b""):
                 name, _, value = line.decode("latin-1").partition(":")

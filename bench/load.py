@@ -40,7 +40,8 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from ddserve.bench.http1 import Pool, ProtocolError
+from ddserve.bench.http1 import Pool
+from ddserve.errors import EngineError
 
 SATURATED = 0.85  # a client process busier than this (cores) may be what limits the level
 
@@ -166,7 +167,7 @@ async def stream_request(pool: Pool, body: dict, timeout: float) -> RequestResul
                         break
     except TimeoutError:
         return RequestResult(False, error=f"TimeoutError: no complete answer in {timeout:g} s")
-    except (OSError, ProtocolError, asyncio.IncompleteReadError, ValueError) as exc:
+    except (OSError, EngineError, asyncio.IncompleteReadError, ValueError) as exc:
         return RequestResult(False, error=f"{type(exc).__name__}: {exc}"[:200])
     return sse.result(t0, time.perf_counter())
 

@@ -28,6 +28,8 @@ import threading
 import time
 from collections.abc import Iterator
 
+from ddserve.errors import EngineUnavailable
+
 MODEL = "stub"
 
 
@@ -154,7 +156,7 @@ def serving(ttft_ms: float, itl_ms: float, tokens: int) -> Iterator[str]:
     deadline = time.monotonic() + 30
     while not server.started:
         if not thread.is_alive() or time.monotonic() > deadline:
-            raise RuntimeError("the stub server did not start")
+            raise EngineUnavailable("the stub server did not start")
         time.sleep(0.01)
     port = server.servers[0].sockets[0].getsockname()[1]
     try:
