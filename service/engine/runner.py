@@ -6,6 +6,10 @@ Interface (what the server, tests and benchmarks use):
                                               finished=True and the request's stats.
                                               Errors raise from the iterator (EngineError);
                                               closing the iterator early cancels the request.
+    EngineRunner.submit(request)              the same for an EngineRequest whose `deliver`
+                                              says where outputs go (the engine core's
+                                              outbox, sent once per iteration by
+                                              `on_iteration`: ddserve.engine.core)
     EngineRunner.update_params(**changes)     validate, swap between rounds, return the config
     EngineRunner.check_health()               a real one-token generation
     EngineRunner.shutdown()
