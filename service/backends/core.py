@@ -21,7 +21,6 @@ import itertools
 import logging
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -33,18 +32,19 @@ import zmq
 import zmq.asyncio
 
 from ddserve.api.generation import Delta, TextStream
-from ddserve.backends.process import NOT_INHERITED, _die_with_parent
+from ddserve.backends.process import NOT_INHERITED, ChildProcess, _die_with_parent
 from ddserve.config.engine import EngineConfig, LiveParams
 from ddserve.engine import ipc
+from ddserve.engine.runner import health_generation
 from ddserve.engine.sampling import Logprobs, RequestStats, SamplingParams
-from ddserve.errors import EngineError, EngineUnavailable, error_from_body
+from ddserve.errors import EngineUnavailable, error_from_body
 
 log = logging.getLogger(__name__)
 
 WATCH_S = 0.1  # how often the core process is checked for life
 
 
-class CoreProcess:
+class CoreProcess(ChildProcess):
     """Start, watch and stop one engine core process (the same surface as EngineProcess:
     `pid`, `proc`, `alive()`, `stop()`; `url` names its channel)."""
 
@@ -59,13 +59,6 @@ class CoreProcess:
         self.log_path = Path(log_path) if log_path else None
         self.env = env
         self.proc: subprocess.Popen | None = None
-
-    @property
-    def pid(self) -> int | None:
-        return self.proc.pid if self.proc else None
-
-    def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
 
     def start(self) -> None:
         env = {k: v for k, v in os.environ.items() if k not in NOT_INHERITED}
@@ -85,26 +78,12 @@ class CoreProcess:
             raise EngineUnavailable(f"cannot start the engine core: {exc}") from exc
 
     def stop(self, grace_s: float = 20.0) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            try:  # its process group: compile workers and the like go with it
-                os.killpg(self.proc.pid, signal.SIGTERM)
-                self.proc.wait(grace_s)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(5)
-            except ProcessLookupError:
-                pass
+        super().stop(grace_s)
         shutil.rmtree(self.dir, ignore_errors=True)
 
     def wait(self, timeout: float) -> None:
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(timeout)
-
-    def log_tail(self) -> str:
-        if not self.log_path or not self.log_path.exists():
-            return ""
-        lines = self.log_path.read_text(errors="replace").strip().splitlines()
-        return " | ".join(lines[-3:])[-500:]
 
 
 class _Stream:
@@ -340,27 +319,13 @@ class CoreBackend:
 
     async def check_health(self, timeout: float = 60.0) -> float:
         """A real generation of one token with the live sampling defaults."""
-        t0 = time.monotonic()
+        t0 = time.perf_counter()
         p = self.params
         sampling = SamplingParams(
             temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, max_tokens=1, ignore_eos=True
         )
 
-        async def one() -> int:
-            n = 0
-            async for d in self.stream([0], sampling):
-                n += len(d.token_ids)
-            return n
-
-        try:
-            n = await asyncio.wait_for(one(), timeout)
-        except TimeoutError as exc:
-            raise EngineUnavailable(
-                f"health generation did not finish within {timeout:.0f}s"
-            ) from exc
-        if n < 1:
-            raise EngineError("health generation returned no token")
-        return time.monotonic() - t0
+        return await health_generation(self.stream([0], sampling), timeout, t0)
 
     async def refresh(self) -> None:
         self._ready(await self._call("info", {}))

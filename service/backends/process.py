@@ -65,7 +65,41 @@ def engine_environ(cfg: EngineConfig) -> dict[str, str]:
 NOT_INHERITED = ALIAS_VARS | {api_key.DEFAULT_ENV, api_key.DEFAULT_ENV + "_FILE"}
 
 
-class EngineProcess:
+class ChildProcess:
+    """What every engine child shares: its pid, whether it lives, stopping its whole process
+    group (SIGTERM, then SIGKILL after `grace_s`), and the tail of its log."""
+
+    proc: subprocess.Popen | None = None
+    log_path: Path | None = None
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc else None
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def stop(self, grace_s: float = 20.0) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        try:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            self.proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(5)
+        except ProcessLookupError:
+            pass
+
+    def log_tail(self) -> str:
+        """Its last three log lines, or "" without a log."""
+        if not self.log_path or not self.log_path.exists():
+            return ""
+        lines = self.log_path.read_text(errors="replace").strip().splitlines()
+        return " | ".join(lines[-3:])[-500:]
+
+
+class EngineProcess(ChildProcess):
     def __init__(
         self,
         cfg: EngineConfig | None,
@@ -88,13 +122,6 @@ class EngineProcess:
         self.env = env
         self.command = command
         self.proc: subprocess.Popen | None = None
-
-    @property
-    def pid(self) -> int | None:
-        return self.proc.pid if self.proc else None
-
-    def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
 
     def start(self) -> None:
         inherited = {k: v for k, v in os.environ.items() if k not in NOT_INHERITED}
@@ -119,7 +146,7 @@ class EngineProcess:
         while time.monotonic() < deadline:
             if not self.alive():
                 raise EngineUnavailable(
-                    f"engine exited with code {self.proc.returncode} before it was ready ({self._log_tail()})"
+                    f"engine exited with code {self.proc.returncode} before it was ready ({self.log_tail() or 'no log'})"
                 )
             try:
                 r = httpx.get(
@@ -137,21 +164,3 @@ class EngineProcess:
                 last = type(exc).__name__
             time.sleep(0.2)
         raise EngineUnavailable(f"engine not ready within {timeout:.0f}s (last: {last})")
-
-    def stop(self, grace_s: float = 20.0) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        try:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            self.proc.wait(grace_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(5)
-        except ProcessLookupError:
-            pass
-
-    def _log_tail(self) -> str:
-        if not self.log_path or not self.log_path.exists():
-            return "no log"
-        lines = self.log_path.read_text(errors="replace").strip().splitlines()
-        return " | ".join(lines[-3:])[-500:] or "empty log"

@@ -134,6 +134,26 @@ def build_drafter(
     return ModelDrafter(draft)
 
 
+async def health_generation(outputs: AsyncIterator, timeout: float, t0: float) -> float:
+    """Drain a one-token health generation (any iterator of outputs with `token_ids`) within
+    `timeout`; returns seconds since `t0` (time.perf_counter), or raises EngineUnavailable /
+    EngineError. The one health rule of the in-process runner and the engine core's client."""
+
+    async def count() -> int:
+        n = 0
+        async for out in outputs:
+            n += len(out.token_ids)
+        return n
+
+    try:
+        n = await asyncio.wait_for(count(), timeout)
+    except TimeoutError as exc:
+        raise EngineUnavailable(f"health generation did not finish within {timeout:.0f}s") from exc
+    if n < 1:
+        raise EngineError("health generation returned no token")
+    return time.perf_counter() - t0
+
+
 class EngineRunner:
     def __init__(self, config: EngineConfig, *, loaded: LoadedModel | None = None):
         self.config = config
@@ -315,21 +335,7 @@ class EngineRunner:
             temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, max_tokens=1, ignore_eos=True
         )
 
-        async def one() -> int:
-            n = 0
-            async for out in self.generate(prompt, sampling):
-                n += len(out.token_ids)
-            return n
-
-        try:
-            n = await asyncio.wait_for(one(), timeout)
-        except TimeoutError as exc:
-            raise EngineUnavailable(
-                f"health generation did not finish within {timeout:.0f}s"
-            ) from exc
-        if n < 1:
-            raise EngineError("health generation returned no token")
-        return time.perf_counter() - t0
+        return await health_generation(self.generate(prompt, sampling), timeout, t0)
 
     # -- worker -----------------------------------------------------------------------
     def _loop(self) -> None:
