@@ -287,6 +287,17 @@ class EngineConfig(_Frozen):
         "auto",
         description="torch.compile the static engine's decoder layers (fused kernels; compiled once at start-up, cached on disk by inductor). auto = on with CUDA.",
     )
+    attention_backend: Literal["auto", "sdpa", "triton"] = Field(
+        "auto",
+        description="The static engine's attention: triton = one kernel that reads only the keys each request has (tree, causal and windowed masks; one CUDA graph per shape for every context length); sdpa = the reference (torch's scaled_dot_product_attention over a padded key range). auto = triton with CUDA when triton imports, else sdpa.",
+        json_schema_extra={"flag": "--attention-backend"},
+    )
+    chunked_prefill_size: int = Field(
+        2048,
+        ge=-1,
+        description="Most prompt tokens prefilled per round while other requests are decoding, so a long prompt is admitted in chunks between their rounds instead of stalling them (SGLang's --chunked-prefill-size). A prompt arriving to an idle engine is prefilled whole. -1 or 0 = no limit.",
+        json_schema_extra={"flag": "--chunked-prefill-size"},
+    )
 
     @model_validator(mode="after")
     def _engine_rules(self) -> EngineConfig:

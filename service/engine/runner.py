@@ -229,6 +229,7 @@ class EngineRunner:
             max_context=self.max_context,
             graphs=self.config.graphs != "off" and cuda,
             compile=self.config.compile == "on" or (self.config.compile == "auto" and cuda),
+            attention=self.config.attention_backend,
         )
         spent = self.engine.warm_up(self.config.params)  # part of readiness
         if spent:
@@ -368,7 +369,7 @@ class EngineRunner:
         """Pending requests that may start now: as many as the KV pool has free slots for
         (counting active ones that will take theirs at prefill)."""
         free = self.engine.free_slots
-        unprefilled = sum(1 for r in self._active if not r.prefilled)
+        unprefilled = sum(1 for r in self._active if r.seq is None and not r.failed)
         return max(0, free - unprefilled)
 
     def _run_round(self, reqs: list[EngineRequest], params: LiveParams, fingerprint: str) -> None:
@@ -376,30 +377,36 @@ class EngineRunner:
         requests are prefilled first (continuous batching: join and leave between rounds)."""
         ready, joining = [], []
         for req in reqs:
-            if req.cancelled:
+            if req.cancelled or req.failed:
                 continue
-            if not req.prefilled:
+            if req.prefilled:
+                ready.append(req)
+                continue
+            if req.seq is None:
                 try:
                     req.seq = self.engine.new_sequence(req.prompt, req.sampling)
                 except Exception as exc:
                     self._fail(req, exc)
                     continue
-                joining.append(req)
-            ready.append(req)
+            joining.append(req)
         if joining:  # the new requests' prompts in one batch; one by one if that fails
+            # while others decode, a bounded chunk per round (chunked prefill); alone, all of it
+            size = self.config.chunked_prefill_size
+            budget = size if ready and size > 0 else None
             try:
-                self.engine.prefill_batch([r.seq for r in joining])
+                self.engine.prefill_batch([r.seq for r in joining], budget)
             except Exception:
                 for req in joining:
                     req.seq.hidden_new.clear()  # start each prompt over on its own
                     req.seq.cache.truncate(0)
                     try:
-                        self.engine.prefill(req.seq)
+                        self.engine.prefill_batch([req.seq], budget)
                     except Exception as exc:
                         self._fail(req, exc)
-            ready = [r for r in ready if not r.failed]
             for req in joining:
-                req.prefilled = not req.failed
+                if not req.failed and self.engine.prefilled(req.seq):
+                    req.prefilled = True
+                    ready.append(req)
         if not ready:
             return
         limit = self.config.spec_max_batch

@@ -8,8 +8,10 @@ that CUDA graphs can capture.
     SlotCache    one slot seen through the KVCache interface (length, write, commit), so the
                  eager code paths (prefill of odd lengths, tests) work on the pool unchanged.
     layer_step   one decoder layer over B rows x W new tokens with index writes into the pool
-                 and attention over [0, ctx) of each row's slot under a boolean mask; shapes
-                 depend only on (B, W, ctx), so a captured graph replays it for any content.
+                 and attention over each row's slot (ddserve.engine.attention: the sdpa
+                 reference over [0, ctx), or the triton kernel over each row's own length);
+                 shapes depend only on (B, W, ctx), so a captured graph replays it for any
+                 content (with triton, ctx is the pool's length: one graph per (B, W)).
     GraphCache   captures one CUDA graph per shape key on first use (or at warm-up) and
                  replays it; every graph shares one memory pool and one input buffer.
 
@@ -27,6 +29,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ddserve.engine.attention import Attn, attend
 from ddserve.engine.llama import Block, LlamaConfig, apply_rope, linear
 from ddserve.errors import EngineError
 
@@ -169,29 +172,14 @@ def _fuse(tensors: list[torch.Tensor]) -> torch.Tensor:
     return fused
 
 
-def attention_mask(lens, wpos_rel_tree, ctx: int, window=None) -> torch.Tensor:
-    """Boolean [B, W, ctx]: committed entries [lo, lens) of each row plus its new tokens at
-    [lens, lens+W) under the tree mask `wpos_rel_tree` [B, W, W] (lo = lens - window)."""
-    b, w, _ = wpos_rel_tree.shape
-    j = torch.arange(ctx, device=lens.device)
-    rel = j[None, None, :] - lens[:, None, None]  # [B, 1, ctx]
-    past = rel < 0
-    if window is not None:
-        past = past & (rel >= -window[:, None, None])
-    idx = rel.clamp(0, w - 1).expand(b, w, ctx)
-    tree = torch.gather(wpos_rel_tree, 2, idx) & (rel >= 0) & (rel < w)
-    return past | tree
-
-
-def layer_step(block: Block, x, cos, sin, kc, vc, rows, wpos, mask, ctx: int, rows_are_slots):
+def layer_step(block: Block, x, cos, sin, kc, vc, rows, wpos, attn: Attn, rows_are_slots):
     """One decoder layer. x [B*W, H]; cos/sin [B*W, hd]; kc/vc: this layer's pool
     [S, kvh, L, hd]; rows [B] slot of each row; wpos [B, W] where each new token's key/value
-    goes; mask [B, 1, G*W, ctx] additive (G query heads per kv head, folded into the query rows so
-    keys are never repeated)."""
+    goes; attn: the forward's attention inputs (ddserve.engine.attention.plan)."""
     c = block.cfg
     nh, kvh, hd = c.num_heads, c.num_kv_heads, c.head_dim
     b, w = wpos.shape
-    n, g = b * w, nh // kvh
+    n = b * w
     h = block.input_layernorm(x)
     qkv = linear(h, block.qkv_weight)
     if block.qkv_bias is not None:
@@ -201,13 +189,7 @@ def layer_step(block: Block, x, cos, sin, kc, vc, rows, wpos, mask, ctx: int, ro
     q, k, v = qk[:, :nh], qk[:, nh:], qkv[:, nh + kvh :]
     kc[rows[:, None], :, wpos] = k.reshape(b, w, kvh, hd)
     vc[rows[:, None], :, wpos] = v.reshape(b, w, kvh, hd)
-    if rows_are_slots:
-        keys, values = kc[:b, :, :ctx], vc[:b, :, :ctx]
-    else:
-        keys, values = kc.index_select(0, rows)[:, :, :ctx], vc.index_select(0, rows)[:, :, :ctx]
-    qg = q.reshape(b, w, kvh, g, hd).permute(0, 2, 3, 1, 4).reshape(b, kvh, g * w, hd)
-    att = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask)
-    att = att.view(b, kvh, g, w, hd).permute(0, 3, 1, 2, 4).reshape(n, nh * hd)
+    att = attend(q, kc, vc, rows, b, w, attn, rows_are_slots)
     x = x + linear(att, block.o_proj.weight)
     h = block.post_attention_layernorm(x)
     gate, up = linear(h, block.gate_up_weight).chunk(2, dim=-1)
@@ -224,16 +206,6 @@ def compile_layer_step():
     # every (B, W, ctx) class that dynamic shapes specialise on counts against this limit
     torch._dynamo.config.cache_size_limit = max(64, torch._dynamo.config.cache_size_limit)
     return torch.compile(layer_step, dynamic=True)
-
-
-def fold_groups(mask: torch.Tensor, groups: int, dtype) -> torch.Tensor:
-    """[B, W, ctx] bool -> additive bias [B, 1, G*W, ctx] (0 / -inf) in the model's dtype,
-    matching layer_step's folded query rows; made once per forward, so attention does not
-    convert a boolean mask in every layer."""
-    b, w, ctx = mask.shape
-    bias = torch.zeros(mask.shape, dtype=dtype, device=mask.device)
-    bias = bias.masked_fill(~mask, float("-inf"))
-    return bias[:, None, None].expand(b, 1, groups, w, ctx).reshape(b, 1, groups * w, ctx)
 
 
 class GraphCache:

@@ -5,7 +5,11 @@ token for token is tests/engine/reference.py), over static state:
   * one preallocated KV pool; a request holds a slot from `new_sequence` to `release`
   * the verify of every active request in one fixed-shape forward (rows = slots 0..B-1,
     W = tree width bucket, ctx = key-length bucket), captured as a CUDA graph per shape
-  * prefill in fixed chunks through the same forward (up to 8 prompts, their slots gathered)
+  * prefill in chunks of fixed widths through the same forward (up to 8 prompts, causal, no
+    logits), at most `max_tokens` prompt tokens per call when the caller asks (chunked
+    prefill: the runner interleaves a long prompt's chunks with the running requests' rounds)
+  * attention by ddserve.engine.attention: the triton kernel on CUDA (each row's own keys,
+    one graph per shape for every context length), the sdpa reference elsewhere
   * the DFlash drafter batched the same way over its own pool (context keys/values written
     in place, no per-round allocation), also graph-captured
   * argmax and the finiteness check inside the graph: one device->host copy per verify;
@@ -34,6 +38,7 @@ import numpy as np
 import torch
 
 from ddserve.config.engine import MAX_TOPK, LiveParams
+from ddserve.engine.attention import backend as attention_backend
 from ddserve.engine.dflash import DFlashDrafter
 from ddserve.engine.drafters import DraftContext, Drafter
 from ddserve.engine.llama import Llama
@@ -50,7 +55,8 @@ from ddserve.engine.static_models import StaticDFlash, StaticTarget, pack_draft,
 from ddserve.engine.tree import Tree, accept, ancestor_mask, build_tree, build_tree_top
 from ddserve.errors import EngineError
 
-PREFILL_CHUNKS = (16, 64, 256)
+PREFILL_CHUNKS = (16, 64, 256)  # prompt chunk widths, sdpa (it reads a padded key range)
+PREFILL_CHUNKS_LONG = (16, 64, 256, 1024, 2048)  # with the triton kernel
 PREFILL_ROWS = 8  # prompts prefilled together in one forward
 
 
@@ -81,6 +87,7 @@ class StaticEngine:
         max_context: int,
         graphs: bool = True,
         compile: bool = False,
+        attention: str = "auto",
     ):
         self.model = model
         self.drafter = drafter
@@ -90,14 +97,28 @@ class StaticEngine:
         self.capture: tuple[int, ...] = tuple(getattr(drafter, "capture", ()))
         graphs = graphs and model.device.type == "cuda"
         layer_fn = compile_layer_step() if compile else layer_step  # the hot step, compiled once
+        self.attention = attention_backend(attention, model.device)
+        self.chunks = PREFILL_CHUNKS_LONG if self.attention == "triton" else PREFILL_CHUNKS
         self.target = StaticTarget(
-            model, slots, max_context, self.capture, graphs, layer_fn=layer_fn
+            model,
+            slots,
+            max_context,
+            self.capture,
+            graphs,
+            layer_fn=layer_fn,
+            attention=self.attention,
         )
         self.pool = self.target.pool
         self.sdraft = None
         if isinstance(drafter, DFlashDrafter):
             self.sdraft = StaticDFlash(
-                drafter, slots, self.pool.max_len, self.pool.guard, graphs, layer_fn=layer_fn
+                drafter,
+                self.pool.slots,
+                self.pool.max_len,
+                self.pool.guard,
+                graphs,
+                layer_fn=layer_fn,
+                attention=self.attention,
             )
         self.timing = {"rounds": 0, "draft_s": 0.0, "tree_s": 0.0, "verify_s": 0.0, "accept_s": 0.0}
 
@@ -110,7 +131,7 @@ class StaticEngine:
             return 0.0
         t0 = time.perf_counter()
         ml = self.pool.max_len
-        ctxs = sorted({min(c, ml) for c in contexts})
+        ctxs = sorted({self.target.ctx_bucket(c) for c in contexts})
         widths = sorted({2, next_bucket(min(params.budget, 1 << 20) + 1, 2, 1 << 30)})
         for b in bucket_sizes(self.pool.slots):
             for w in widths:
@@ -125,7 +146,7 @@ class StaticEngine:
                     )
                     self.target.forward(packed, b, w, ctx, True)
         for b in bucket_sizes(PREFILL_ROWS):
-            for w in PREFILL_CHUNKS:
+            for w in self.chunks:
                 for ctx in ctxs:
                     if ctx >= w:
                         tree = np.tile(np.tril(np.ones((w, w), dtype=bool)), (b, 1, 1))
@@ -197,31 +218,46 @@ class StaticEngine:
     def prefill(self, seq: Sequence) -> None:
         self.prefill_batch([seq])
 
-    @torch.inference_mode()
-    def prefill_batch(self, seqs: list[Sequence]) -> None:
-        """The prompts (all but their last token) of up to PREFILL_ROWS requests per forward,
-        in chunks of fixed widths; each row reads and writes its own slot."""
-        for at in range(0, len(seqs), PREFILL_ROWS):
-            self._prefill_rows(seqs[at : at + PREFILL_ROWS])
+    @staticmethod
+    def prefilled(seq: Sequence) -> bool:
+        """Whether a sequence's prompt (all but its last token) is in its KV slot."""
+        return seq.cache.length >= len(seq.tokens) - 1
 
-    def _prefill_rows(self, seqs: list[Sequence]) -> None:
+    @torch.inference_mode()
+    def prefill_batch(self, seqs: list[Sequence], max_tokens: int | None = None) -> None:
+        """Prefill the prompts (all but their last token) of up to PREFILL_ROWS requests per
+        forward, in chunks of fixed widths; each row reads and writes its own slot. With
+        `max_tokens`, chunks are at most that wide and the call stops once that many prompt
+        tokens went in (the last forward may pass it by a chunk per row); a later call goes on
+        where this one stopped (`prefilled` says when a prompt is in)."""
+        spent = 0
+        for at in range(0, len(seqs), PREFILL_ROWS):
+            left = None if max_tokens is None else max_tokens - spent
+            if left is not None and left <= 0:
+                break
+            spent += self._prefill_rows(seqs[at : at + PREFILL_ROWS], left)
+
+    def _prefill_rows(self, seqs: list[Sequence], max_tokens: int | None) -> int:
         t0 = time.perf_counter()
         heads = [seq.tokens[:-1] for seq in seqs]
-        done = [0] * len(seqs)
         ml = self.pool.max_len
-        while True:
-            todo = [i for i, h in enumerate(heads) if done[i] < len(h)]
+        spent = 0
+        while max_tokens is None or spent < max_tokens:
+            todo = [i for i, h in enumerate(heads) if seqs[i].cache.length < len(h)]
             if not todo:
                 break
-            n_max = max(min(len(heads[i]) - done[i], PREFILL_CHUNKS[-1]) for i in todo)
-            w = next(c for c in PREFILL_CHUNKS if c >= n_max)
+            cap = self.chunks[-1]
+            if max_tokens is not None:  # the widest chunk within what is left of the budget
+                cap = max([c for c in self.chunks if c <= max_tokens - spent] or [self.chunks[0]])
+            n_max = max(min(len(heads[i]) - seqs[i].cache.length, cap) for i in todo)
+            w = next(c for c in self.chunks if c >= n_max)
             b = next_bucket(len(todo), 1, PREFILL_ROWS)
             toks = np.zeros((b, w), dtype=np.int64)
             pos = np.tile(np.arange(ml - w, ml), (b, 1))  # rows that only fill the shape
             lens, rows = np.zeros(b, dtype=np.int64), np.zeros(b, dtype=np.int64)
             takes, longest = [], 0
             for r, i in enumerate(todo):
-                at = done[i]
+                at = seqs[i].cache.length
                 n = min(len(heads[i]) - at, w)
                 toks[r, :n] = heads[i][at : at + n]
                 pos[r] = at + np.arange(w)
@@ -234,11 +270,12 @@ class StaticEngine:
             for r, i, n in takes:
                 if taps is not None:
                     seqs[i].hidden_new.append(taps[r * w : r * w + n].clone())
-                done[i] += n
-        spent = time.perf_counter() - t0
-        for seq, head in zip(seqs, heads, strict=True):
-            seq.cache.length = len(head)
-            seq.stats.prefill_s += spent
+                seqs[i].cache.length += n
+                spent += n
+        elapsed = time.perf_counter() - t0
+        for seq in seqs:
+            seq.stats.prefill_s += elapsed
+        return spent
 
     def generate(self, prompt: list[int], sampling: SamplingParams, params: LiveParams) -> Sequence:
         """Run one request to completion (tests, benchmarks; the server uses `step_batch`)."""

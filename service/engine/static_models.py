@@ -7,7 +7,8 @@ next call of the same shape overwrites: read them before that.
 Target inputs per row (B rows x W new tokens): tokens, RoPE positions, write positions (where
 each token's key/value goes; rows that only fill the shape write into the slot's guard
 entries), committed length (the mask's past), slot, and the [W, W] tree mask. Outputs: logits
-[B*W, V] float32, [2, B*W] (argmax, all-finite flag), tapped layer outputs [B*W, taps*H].
+[B*W, V] float32, [2, B*W] (argmax, all-finite flag), tapped layer outputs [B*W, taps*H];
+a prefill forward (rows named by slot index, causal) returns only the tapped outputs.
 """
 
 from __future__ import annotations
@@ -16,16 +17,9 @@ import numpy as np
 import torch
 
 from ddserve.config.engine import MAX_BUDGET
+from ddserve.engine.attention import CAUSAL, FULL, TREE, plan
 from ddserve.engine.llama import Llama, apply_rope, linear
-from ddserve.engine.static import (
-    GraphCache,
-    KVPool,
-    attention_mask,
-    fold_groups,
-    fuse_weights,
-    layer_step,
-    next_bucket,
-)
+from ddserve.engine.static import GraphCache, KVPool, fuse_weights, layer_step, next_bucket
 
 # scratch entries at the end of every slot: the widest forward (a tree of MAX_BUDGET nodes
 # plus its root, rounded up to a power of two) writes its padding there
@@ -48,9 +42,11 @@ class StaticTarget:
         graphs: bool,
         guard: int = GUARD,
         layer_fn=layer_step,
+        attention: str = "sdpa",
     ):
         self.model = model
         self.layer = layer_fn  # layer_step, or the engine's compiled version of it
+        self.attention = attention  # "sdpa" | "triton" (ddserve.engine.attention)
         for block in model.layers:
             fuse_weights(block)
         cfg = model.cfg
@@ -68,7 +64,11 @@ class StaticTarget:
         self.inputs: dict[tuple, torch.Tensor] = {}
 
     def ctx_bucket(self, longest: int) -> int:
-        """Keys attended per row: a power of two >= the longest committed + new entries."""
+        """Keys attended per row: a power of two >= the longest committed + new entries
+        (sdpa reads that padded range); the triton kernel reads each row's own length, so
+        its forwards take the pool's length: one graph per (B, W) for every context."""
+        if self.attention == "triton":
+            return self.pool.max_len
         return next_bucket(longest, 128, self.pool.max_len)
 
     @torch.inference_mode()
@@ -87,13 +87,15 @@ class StaticTarget:
         m, n = self.model, b * w
         tok, pos, wpos = (inp[i * n : (i + 1) * n] for i in range(3))
         lens, rows = inp[3 * n : 3 * n + b], inp[3 * n + b : 3 * n + 2 * b]
-        tree = inp[3 * n + 2 * b :].view(b, w, w).bool()
+        tree = inp[3 * n + 2 * b :].view(b, w, w)  # int: nonzero = visible
         wpos = wpos.view(b, w)
         # tok/pos: [B*W]  wpos: [B, W]  lens/rows: [B]  tree: [B, W, W]
         x = m.embed_tokens(tok)  # [B*W, H]
         cos, sin = m.rope(pos)
         groups = m.cfg.num_heads // m.cfg.num_kv_heads
-        mask = fold_groups(attention_mask(lens, tree, ctx), groups, x.dtype)
+        # rows named by slot index are prompt chunks (prefill: causal); rows = slots verify trees
+        mode = TREE if rows_are_slots else CAUSAL
+        attn = plan(self.attention, lens, mode, tree, ctx, groups, x.dtype)
         taps = []
         for i, block in enumerate(m.layers):
             x = self.layer(
@@ -105,15 +107,17 @@ class StaticTarget:
                 self.pool.v[i],
                 rows,
                 wpos,
-                mask,
-                ctx,
+                attn,
                 rows_are_slots,
             )
             if i in self.capture:
                 taps.append(x)
+        taps = torch.cat(taps, dim=-1) if taps else None
+        if not rows_are_slots:  # prefill: no logits (the prompt's last token is verified later)
+            return None, None, taps
         logits = linear(m.norm(x), m.lm_head.weight).float()
         top = torch.stack([logits.argmax(-1), torch.isfinite(logits).all(-1).long()])
-        return logits, top, torch.cat(taps, dim=-1) if taps else None
+        return logits, top, taps
 
 
 def pack_target(tokens, pos, wpos, lens, rows, tree) -> np.ndarray:
@@ -131,10 +135,18 @@ class StaticDFlash:
     log-probs and token ids per depth [2, B, D, K] (float64). Key: (B, D, ctx, K)."""
 
     def __init__(
-        self, drafter, slots: int, max_len: int, guard: int, graphs: bool, layer_fn=layer_step
+        self,
+        drafter,
+        slots: int,
+        max_len: int,
+        guard: int,
+        graphs: bool,
+        layer_fn=layer_step,
+        attention: str = "sdpa",
     ):
         self.d = drafter
         self.layer = layer_fn
+        self.attention = attention
         net = drafter.net
         for layer in net.layers:
             fuse_weights(layer)
@@ -228,13 +240,12 @@ class StaticDFlash:
         x = torch.cat([emb, net.mask_embedding.to(emb.dtype).expand(b, depth, -1)], dim=1)
         x = x.reshape(b * q, -1)
         cos, sin = net.rotary(bpos, x.dtype)
-        block = torch.ones(b, q, q, dtype=torch.bool, device=inp.device)
-        mask = fold_groups(
-            attention_mask(lens, block, ctx, window), c.num_heads // c.num_kv_heads, x.dtype
-        )
+        block = torch.ones(b, q, q, dtype=torch.bool, device=inp.device)  # sdpa's width
+        groups = c.num_heads // c.num_kv_heads
+        attn = plan(self.attention, lens, FULL, block, ctx, groups, x.dtype, window)
         for i, layer in enumerate(net.layers):
             x = self.layer(
-                layer, x, cos, sin, self.pool.k[i], self.pool.v[i], rows, bwpos, mask, ctx, True
+                layer, x, cos, sin, self.pool.k[i], self.pool.v[i], rows, bwpos, attn, True
             )
         hidden = net.norm(x).view(b, q, -1)[:, 1:].reshape(b * depth, -1)
         logp = torch.log_softmax(linear(hidden, self.d.head).float(), dim=-1)

@@ -284,3 +284,87 @@ def test_compiled_layers_decode_like_eager_ones(tiny):
         ]
         sampling = [SamplingParams(max_tokens=n) for n in LENGTHS]
         assert run_lockstep(eng, PROMPTS, sampling, params, join_late={2}) == alone
+
+
+def test_chunked_prefill_equals_whole_prefill(tiny):
+    """Prompts of 1 to 300 tokens prefilled at most 40 tokens per call (the runner's chunked
+    prefill), then decoded with a DFlash drafter: the reference's output and accept lengths,
+    and the prompts went in over several calls."""
+    gen = torch.Generator().manual_seed(1)
+    prompts = [[1], torch.randint(3, 500, (300,), generator=gen).tolist(), [1, 7, 8]]
+    prompts.append(torch.randint(3, 500, (70,), generator=gen).tolist())
+    params = LiveParams(budget=8, topk=2)
+    draft = random_dflash(tiny)
+    ref = ReferenceEngine(tiny, ReferenceDFlash(draft, tiny), 6, ())
+    alone = [ref.generate(p, SamplingParams(max_tokens=20), params) for p in prompts]
+    eng = StaticEngine(
+        tiny, DFlashDrafter(draft, tiny), 6, (), slots=4, max_context=512, graphs=False
+    )
+    seqs = [eng.new_sequence(p, SamplingParams(max_tokens=20)) for p in prompts]
+    calls = 0
+    while not all(eng.prefilled(s) for s in seqs):
+        before = sum(s.cache.length for s in seqs)
+        eng.prefill_batch(seqs, max_tokens=40)
+        calls += 1
+        # forwards of 16-token chunks (the widest within 40) until 40 went in: 40 + 3 x 16 at most
+        assert 0 < sum(s.cache.length for s in seqs) - before <= 40 + 3 * 16
+    assert calls >= 299 // 40
+    while not all(s.finished for s in seqs):
+        eng.step_batch([s for s in seqs if not s.finished], params)
+    assert [s.output for s in seqs] == [s.output for s in alone]
+    assert [s.stats.accept_lengths for s in seqs] == [s.stats.accept_lengths for s in alone]
+
+
+@pytest.mark.parametrize("chunk", [16, -1])
+def test_long_prompt_is_admitted_between_running_rounds(chunk):
+    """A 300-token prompt arrives while a request is decoding. With chunked_prefill_size=16
+    the running request keeps getting tokens while the prompt goes in (many of its rounds
+    pass before the newcomer's first token); with -1 (no limit) the prompt goes in at once.
+    Both answers are what each gets alone."""
+    cfg = EngineConfig(
+        model="tiny-random",
+        device="cpu",
+        max_batch=2,
+        chunked_prefill_size=chunk,
+        drafter={"kind": "none"},
+        params={"budget": 0},
+    )
+    runner = EngineRunner(cfg)
+    runner.start()
+    long_prompt = torch.randint(3, 500, (300,), generator=torch.Generator().manual_seed(2))
+    long_prompt = long_prompt.tolist()
+    try:
+
+        async def stream(prompt, n, events, name):
+            out = []
+            sp = SamplingParams(max_tokens=n, ignore_eos=True)
+            async for step in runner.generate(prompt, sp):
+                out += step.token_ids
+                events.append(name)
+            return out
+
+        async def main():
+            events: list[str] = []
+            short = asyncio.create_task(stream([1, 5, 9], 80, events, "short"))
+            while not events:
+                await asyncio.sleep(0.001)
+            n0 = len(events)
+            long = await stream(long_prompt, 4, events, "long")
+            during = events[n0 : events.index("long")].count("short")
+            return await short, long, during
+
+        short, long, during = asyncio.run(main())
+        assert (during >= 10) if chunk == 16 else (during <= 3), during
+        alone = asyncio.run(
+            asyncio.wait_for(_collect(runner, [1, 5, 9], 80), 60)
+        ), asyncio.run(asyncio.wait_for(_collect(runner, long_prompt, 4), 60))
+        assert (short, long) == alone
+    finally:
+        runner.shutdown()
+
+
+async def _collect(runner, prompt, n):
+    out = []
+    async for step in runner.generate(prompt, SamplingParams(max_tokens=n, ignore_eos=True)):
+        out += step.token_ids
+    return out

@@ -1,0 +1,148 @@
+"""Attention of the static engine's forwards over the KV pool: new query rows of B requests
+against each request's slot (ddserve.engine.static).
+
+What a new token t of row b sees: the slot's committed entries [lo, past) (lo = past - window
+for the windowed drafter, else 0) plus the new entries [past, past + W) it may see, which is
+one of
+    TREE    its ancestors in a draft tree (a [B, W, W] mask: verify),
+    CAUSAL  new tokens 0..t (a prompt chunk: prefill),
+    FULL    all W (the drafter's block: root + mask tokens).
+
+Two implementations of that one rule:
+  * `sdpa`    the reference: a boolean mask over a padded key range [0, ctx) (`attention_mask`,
+              `fold_groups`) and torch's scaled_dot_product_attention. Runs anywhere; reads
+              every one of the ctx keys of every row at full cost.
+  * `triton`  one kernel (flash attention with the GQA group folded into the query rows, so
+              each key is read once per kv head) that reads only the keys a row has: the loop
+              over keys stops at each row's own length, read from the device, so one CUDA graph
+              per (B, W) serves every context length. Split over the keys ("flash decoding")
+              when B x kv heads alone cannot fill the GPU, with a second small kernel merging
+              the splits. Registered as the torch op `ddserve::tree_attention` so
+              torch.compile treats it as one opaque call.
+
+`backend("auto")` is triton on CUDA when triton imports, else sdpa. The triton kernel also runs
+on CPU under TRITON_INTERPRET=1, which is how CI checks it against the reference.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+TREE, CAUSAL, FULL = 0, 1, 2
+
+
+class Attn(NamedTuple):
+    """One forward's attention inputs, made once and shared by every layer.
+    sdpa: `mask` [B, 1, G*W, ctx] additive, keys [0, ctx). triton: `past` [B] committed
+    lengths, `tree` [B, W, W] (int, nonzero = visible; TREE mode only), `window` [B] or None,
+    `mode` TREE / CAUSAL / FULL."""
+
+    backend: str
+    mask: torch.Tensor | None = None
+    ctx: int = 0
+    past: torch.Tensor | None = None
+    tree: torch.Tensor | None = None
+    window: torch.Tensor | None = None
+    mode: int = TREE
+
+
+# -- the reference ------------------------------------------------------------------------
+
+
+def attention_mask(lens, wpos_rel_tree, ctx: int, window=None) -> torch.Tensor:
+    """Boolean [B, W, ctx]: committed entries [lo, lens) of each row plus its new tokens at
+    [lens, lens+W) under the tree mask `wpos_rel_tree` [B, W, W] (lo = lens - window)."""
+    b, w, _ = wpos_rel_tree.shape
+    j = torch.arange(ctx, device=lens.device)
+    rel = j[None, None, :] - lens[:, None, None]  # [B, 1, ctx]
+    past = rel < 0
+    if window is not None:
+        past = past & (rel >= -window[:, None, None])
+    idx = rel.clamp(0, w - 1).expand(b, w, ctx)
+    tree = torch.gather(wpos_rel_tree, 2, idx) & (rel >= 0) & (rel < w)
+    return past | tree
+
+
+def fold_groups(mask: torch.Tensor, groups: int, dtype) -> torch.Tensor:
+    """[B, W, ctx] bool -> additive bias [B, 1, G*W, ctx] (0 / -inf) in the model's dtype,
+    matching the folded query rows; made once per forward, so attention does not convert a
+    boolean mask in every layer."""
+    b, w, ctx = mask.shape
+    bias = torch.zeros(mask.shape, dtype=dtype, device=mask.device)
+    bias = bias.masked_fill(~mask, float("-inf"))
+    return bias[:, None, None].expand(b, 1, groups, w, ctx).reshape(b, 1, groups * w, ctx)
+
+
+def mode_mask(mode: int, tree: torch.Tensor | None, b: int, w: int, device) -> torch.Tensor:
+    """The [B, W, W] boolean visibility among new tokens of a mode."""
+    if mode == TREE:
+        return tree.bool()
+    full = torch.ones(b, w, w, dtype=torch.bool, device=device)
+    return full.tril() if mode == CAUSAL else full
+
+
+def plan(backend: str, past, mode: int, tree, ctx: int, groups: int, dtype, window=None) -> Attn:
+    """The per-forward attention inputs for `backend` (the mask is built once, here)."""
+    if backend == "triton":
+        return Attn("triton", past=past, tree=tree, window=window, mode=mode)
+    b = past.shape[0]
+    w = tree.shape[1] if tree is not None else None
+    if w is None:
+        raise ValueError("sdpa needs the width: pass a tree (any [B, W, W]) for CAUSAL/FULL")
+    vis = mode_mask(mode, tree, b, w, past.device)
+    return Attn("sdpa", mask=fold_groups(attention_mask(past, vis, ctx, window), groups, dtype), ctx=ctx)
+
+
+def attend(q, kc, vc, rows, b: int, w: int, attn: Attn, rows_are_slots: bool) -> torch.Tensor:
+    """q [B*W, nh, hd] (RoPE applied); kc/vc one layer's pool [S, kvh, L, hd] with this
+    forward's keys already written; rows [B] slots. Returns [B*W, nh*hd]."""
+    n, nh, hd = q.shape
+    kvh = kc.shape[1]
+    if attn.backend == "triton":
+        out = torch.ops.ddserve.tree_attention(
+            q, kc, vc, rows, attn.past, attn.tree, attn.window, w, attn.mode
+        )
+        return out.view(n, nh * hd)
+    g, ctx = nh // kvh, attn.ctx
+    if rows_are_slots:
+        keys, values = kc[:b, :, :ctx], vc[:b, :, :ctx]
+    else:
+        keys, values = kc.index_select(0, rows)[:, :, :ctx], vc.index_select(0, rows)[:, :, :ctx]
+    qg = q.reshape(b, w, kvh, g, hd).permute(0, 2, 3, 1, 4).reshape(b, kvh, g * w, hd)
+    att = F.scaled_dot_product_attention(qg, keys, values, attn_mask=attn.mask)
+    return att.view(b, kvh, g, w, hd).permute(0, 3, 1, 2, 4).reshape(n, nh * hd)
+
+
+def backend(name: str, device: torch.device) -> str:
+    """auto -> triton on CUDA when it imports, else sdpa. An explicit `triton` without triton
+    (or without CUDA and TRITON_INTERPRET) is an error the caller reports."""
+    if name == "sdpa":
+        return "sdpa"
+    ok = _triton_ready(device)
+    if name == "triton" and not ok:
+        raise RuntimeError(
+            "attention backend triton needs the triton package and a CUDA device "
+            "(or TRITON_INTERPRET=1)"
+        )
+    return "triton" if ok else "sdpa"
+
+
+def _triton_ready(device: torch.device) -> bool:
+    import os
+
+    interpret = os.environ.get("TRITON_INTERPRET") == "1"
+    if torch.device(device).type != "cuda" and not interpret:
+        return False
+    try:
+        from ddserve.engine import attention_triton  # noqa: F401 - registers the op
+    except ImportError:
+        return False
+    return True
+
+
+def scale(head_dim: int) -> float:
+    return 1.0 / math.sqrt(head_dim)

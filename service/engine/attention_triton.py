@@ -1,0 +1,226 @@
+"""The triton backend of ddserve.engine.attention (imported only where triton is): the kernel,
+its split-merge kernel, and the torch op `ddserve::tree_attention` around them.
+
+Grid: (B x kv heads, query blocks, key splits). A program holds BLOCK_M folded query rows
+(row m = token m // G, head kvh*G + m % G) of one request and one kv head, and runs the online
+softmax over its share of that request's visible keys [lo, past + new_hi) in BLOCK_N steps:
+    committed keys j < past         visible (j >= lo)
+    new keys j = past + u, u < W     visible by mode: TREE tree[b, t, u]; CAUSAL u <= t; FULL
+With one split it writes the output; with several it writes (m, l, acc) partials that
+`_merge` combines. The number of splits depends only on the grid's other dimensions (shapes),
+never on lengths, so a CUDA graph of one shape replays for every context.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from ddserve.engine.attention import CAUSAL, FULL, TREE, scale
+
+NEG = -1.0e30  # a finite -inf: an empty split or row stays NaN-free
+
+
+@triton.jit
+def _attn(
+    Q, K, V, Rows, Past, Tree, Window, Out, Mp, Lp, Ap,
+    sq_n, sq_h, sk_s, sk_h, sk_l, so_n, so_h,
+    W, G, KVH, SPLITS, MPAD, sm_scale,
+    HD: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    MODE: tl.constexpr, HAS_WINDOW: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr,
+):  # fmt: skip
+    pid_bh = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    pid_s = tl.program_id(2)
+    b = pid_bh // KVH
+    kh = pid_bh % KVH
+    slot = tl.load(Rows + b)
+    past = tl.load(Past + b)
+    m_idx = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_ok = m_idx < G * W
+    t = m_idx // G
+    head = kh * G + m_idx % G
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HD
+    q = tl.load(
+        Q + (b * W + t)[:, None] * sq_n + head[:, None] * sq_h + d[None, :],
+        mask=m_ok[:, None] & d_ok[None, :],
+        other=0.0,
+    )
+    # the keys any row of this block may see: [lo, hi)
+    if MODE == 1:  # CAUSAL: up to the block's last token
+        t_last = tl.minimum((pid_m * BLOCK_M + BLOCK_M - 1) // G, W - 1)
+        hi = past + t_last + 1
+    else:
+        hi = past + W
+    lo = past * 0
+    if HAS_WINDOW:
+        lo = tl.maximum(past - tl.load(Window + b), 0)
+    per = tl.cdiv(tl.cdiv(hi - lo, SPLITS), BLOCK_N) * BLOCK_N
+    s_lo = lo + pid_s * per
+    s_hi = tl.minimum(s_lo + per, hi)
+    base = slot * sk_s + kh * sk_h
+    m_i = tl.full([BLOCK_M], NEG, tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for start in range(s_lo, s_hi, BLOCK_N):
+        j = start + tl.arange(0, BLOCK_N)
+        j_ok = j < s_hi
+        kv_mask = j_ok[:, None] & d_ok[None, :]
+        k = tl.load(K + base + j[:, None] * sk_l + d[None, :], mask=kv_mask, other=0.0)
+        if IEEE:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = s * sm_scale
+        u = j - past  # index among the new entries (< 0: committed)
+        if MODE == 0:  # TREE
+            in_new = (u >= 0) & (u < W)
+            seen = tl.load(
+                Tree + (b * W + t)[:, None] * W + u[None, :],
+                mask=m_ok[:, None] & in_new[None, :] & j_ok[None, :],
+                other=0,
+            )
+            vis = (u[None, :] < 0) | (seen != 0)
+        elif MODE == 1:  # CAUSAL
+            vis = u[None, :] <= t[:, None]
+        else:  # FULL
+            vis = u[None, :] < W
+        vis = vis & j_ok[None, :] & m_ok[:, None]
+        s = tl.where(vis, s, NEG)
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.exp(s - m_new[:, None])
+        p = tl.where(vis, p, 0.0)
+        alpha = tl.exp(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(V + base + j[:, None] * sk_l + d[None, :], mask=kv_mask, other=0.0)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    if SPLIT:
+        at = (pid_bh * SPLITS + pid_s) * MPAD + m_idx
+        tl.store(Mp + at, m_i)
+        tl.store(Lp + at, l_i)
+        tl.store(Ap + at[:, None] * BLOCK_D + d[None, :], acc)
+    else:
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        tl.store(
+            Out + (b * W + t)[:, None] * so_n + head[:, None] * so_h + d[None, :],
+            out.to(Out.dtype.element_ty),
+            mask=m_ok[:, None] & d_ok[None, :],
+        )
+
+
+@triton.jit
+def _merge(
+    Mp, Lp, Ap, Out, so_n, so_h, W, G, KVH, SPLITS, MPAD,
+    HD: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+):  # fmt: skip
+    pid_bh = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    b = pid_bh // KVH
+    kh = pid_bh % KVH
+    m_idx = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_ok = m_idx < G * W
+    d = tl.arange(0, BLOCK_D)
+    m_all = tl.full([BLOCK_M], NEG, tl.float32)
+    for s in range(0, SPLITS):
+        at = (pid_bh * SPLITS + s) * MPAD + m_idx
+        m_all = tl.maximum(m_all, tl.load(Mp + at))
+    l_all = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for s in range(0, SPLITS):
+        at = (pid_bh * SPLITS + s) * MPAD + m_idx
+        f = tl.exp(tl.load(Mp + at) - m_all)
+        l_all += tl.load(Lp + at) * f
+        acc += tl.load(Ap + at[:, None] * BLOCK_D + d[None, :]) * f[:, None]
+    out = acc / tl.where(l_all > 0, l_all, 1.0)[:, None]
+    t = m_idx // G
+    head = kh * G + m_idx % G
+    tl.store(
+        Out + (b * W + t)[:, None] * so_n + head[:, None] * so_h + d[None, :],
+        out.to(Out.dtype.element_ty),
+        mask=m_ok[:, None] & (d < HD)[None, :],
+    )
+
+
+@functools.cache
+def multiprocessors(device: torch.device) -> int:
+    """Streaming multiprocessors (132 on an H200); 1 off CUDA (the interpreter runs programs
+    one by one, so splitting the keys only costs time there)."""
+    if device.type != "cuda":
+        return 1
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def launch(q, kc, vc, rows, past, tree, window, w: int, mode: int, splits: int | None = None):
+    """q [B*W, nh, hd] -> out [B*W, nh, hd]. See the module docstring."""
+    n, nh, hd = q.shape
+    kvh = kc.shape[1]
+    g, b = nh // kvh, n // w
+    rows_g = g * w
+    block_m = 16 if rows_g <= 16 else (32 if rows_g <= 32 else 64)
+    block_n = 64
+    block_d = triton.next_power_of_2(hd)
+    mblocks = triton.cdiv(rows_g, block_m)
+    if splits is None:
+        # split the keys only while B x kvh x query blocks leaves the GPU idle; a split covers
+        # at least 256 keys of the pool's length
+        room = max(1, kc.shape[2] // 256)
+        fill = 2 * multiprocessors(q.device)  # enough programs to fill the GPU twice
+        splits = max(1, min(room, 16, fill // (b * kvh * mblocks)))
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    if q.stride(2) != 1:
+        q = q.contiguous()
+    ieee = q.dtype == torch.float32
+    tree_t = tree if tree is not None else past  # unused unless MODE == TREE
+    win = window if window is not None else past
+    mpad = mblocks * block_m
+    if splits > 1:
+        mp = torch.empty(b * kvh * splits * mpad, device=q.device, dtype=torch.float32)
+        lp = torch.empty_like(mp)
+        ap = torch.empty(b * kvh * splits * mpad * block_d, device=q.device, dtype=torch.float32)
+    else:
+        mp = lp = ap = out
+    _attn[(b * kvh, mblocks, splits)](
+        q, kc, vc, rows, past, tree_t, win, out, mp, lp, ap,
+        q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), kc.stride(2),
+        out.stride(0), out.stride(1),
+        w, g, kvh, splits, mpad, scale(hd),
+        HD=hd, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n,
+        MODE=mode, HAS_WINDOW=window is not None, SPLIT=splits > 1, IEEE=ieee,
+    )  # fmt: skip
+    if splits > 1:
+        _merge[(b * kvh, mblocks)](
+            mp, lp, ap, out, out.stride(0), out.stride(1), w, g, kvh, splits, mpad,
+            HD=hd, BLOCK_D=block_d, BLOCK_M=block_m,
+        )  # fmt: skip
+    return out
+
+
+@torch.library.custom_op("ddserve::tree_attention", mutates_args=())
+def tree_attention(
+    q: torch.Tensor,
+    kc: torch.Tensor,
+    vc: torch.Tensor,
+    rows: torch.Tensor,
+    past: torch.Tensor,
+    tree: torch.Tensor | None,
+    window: torch.Tensor | None,
+    w: int,
+    mode: int,
+) -> torch.Tensor:
+    return launch(q, kc, vc, rows, past, tree, window, w, mode)
+
+
+@tree_attention.register_fake
+def _(q, kc, vc, rows, past, tree, window, w, mode):
+    return torch.empty_like(q, memory_format=torch.contiguous_format)
+
+
+assert (TREE, CAUSAL, FULL) == (0, 1, 2)  # the kernel's MODE values

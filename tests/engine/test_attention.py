@@ -1,0 +1,145 @@
+"""The triton attention kernel (ddserve.engine.attention_triton) equals the sdpa reference: every
+mask mode (tree, causal prefill, the drafter's full block with its window), key splits, GQA;
+and a static engine on it decodes token for token like one on the reference.
+
+Without a GPU the kernel runs in triton's interpreter (TRITON_INTERPRET=1, numpy on the CPU),
+which is how CI tests it; on a GPU the same tests run the compiled kernel, in fp32 and bf16."""
+
+import os
+
+import pytest
+import torch
+
+CUDA = torch.cuda.is_available()
+if not CUDA:
+    os.environ["TRITON_INTERPRET"] = "1"  # before the kernels are defined
+
+triton = pytest.importorskip("triton")
+if not CUDA:
+    import triton.runtime.interpreter as interpreter
+
+    # triton 3.6's interpreter turns a scalar (a 1-element array there) into a Python int
+    # with int(array), which numpy >= 2.4 refuses for arrays of one dimension; loops over
+    # runtime bounds (`range(lo, hi)`) need it
+    _patch = interpreter._patch_lang_tensor
+
+    def _patch_index(tensor, scope):
+        _patch(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    interpreter._patch_lang_tensor = _patch_index
+
+from ddserve.config.engine import LiveParams  # noqa: E402
+from ddserve.engine import attention as A  # noqa: E402
+from ddserve.engine.attention_triton import launch  # noqa: E402
+from ddserve.engine.dflash import DFlashDrafter  # noqa: E402
+from ddserve.engine.drafters import NoDrafter  # noqa: E402
+from ddserve.engine.sampling import SamplingParams  # noqa: E402
+from ddserve.engine.static_engine import StaticEngine  # noqa: E402
+from ddserve.engine.weights import random_llama, tiny_config  # noqa: E402
+from tests.engine.test_batching import PROMPTS  # noqa: E402
+from tests.engine.test_lossless import random_dflash  # noqa: E402
+
+DEV = "cuda" if CUDA else "cpu"
+DTYPES = [torch.float32] + ([torch.bfloat16] if CUDA else [])
+
+
+def case(b, w, mode, *, slots=6, kvh=3, g=3, hd=64, length=300, window=False, dtype, seed):
+    gen = torch.Generator().manual_seed(seed)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen).to(DEV, dtype)
+
+    kc, vc = randn(slots, kvh, length, hd), randn(slots, kvh, length, hd)
+    q = randn(b * w, kvh * g, hd)
+    rows = torch.randperm(slots, generator=gen)[:b].to(DEV)
+    past = torch.randint(0, length - w - 1, (b,), generator=gen)
+    past[0] = 0  # a row with no committed keys
+    tree = ((torch.rand(b, w, w, generator=gen) < 0.4) | torch.eye(w, dtype=torch.bool)).tril()
+    win = torch.randint(1, 40, (b,), generator=gen).to(DEV) if window else None
+    return q, kc, vc, rows, past.to(DEV), tree.long().to(DEV), win
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(
+    "mode,b,w,splits,window",
+    [
+        (A.TREE, 3, 1, 1, False),  # AR decode
+        (A.TREE, 2, 8, 3, False),  # a tree, keys split three ways
+        (A.TREE, 2, 20, None, False),  # the shape's own split count
+        (A.CAUSAL, 2, 40, 1, False),  # prompt chunks, several query blocks
+        (A.CAUSAL, 1, 16, 2, False),
+        (A.FULL, 3, 5, 1, True),  # the drafter's block with its window
+        (A.FULL, 2, 9, 2, True),
+    ],
+)
+def test_kernel_equals_reference(mode, b, w, splits, window, dtype):
+    q, kc, vc, rows, past, tree, win = case(b, w, mode, window=window, dtype=dtype, seed=b * w)
+    g = q.shape[1] // kc.shape[1]
+    ref_plan = A.plan("sdpa", past, mode, tree, kc.shape[2], g, dtype, win)
+    ref = A.attend(q, kc, vc, rows, b, w, ref_plan, False).float()
+    out = launch(q, kc, vc, rows, past, tree if mode == A.TREE else None, win, w, mode, splits)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert (out.reshape(b * w, -1).float() - ref).abs().max().item() < tol
+    if mode == A.TREE:  # through the torch op, as the engine calls it
+        op = A.attend(q, kc, vc, rows, b, w, A.Attn("triton", past=past, tree=tree), True)
+        assert (op.float() - ref).abs().max().item() < tol
+
+
+@pytest.mark.parametrize("drafter", ["none", "dflash"])
+def test_engine_on_the_kernel_decodes_like_the_reference(drafter):
+    """Static engines on triton and on sdpa, same model (fp32): the same greedy tokens and
+    accept lengths, prompts of 1-40 tokens prefilled (causal) then decoded in one batch, the
+    DFlash drafter's windowed block included. The kernel reads each row's own keys, so the
+    triton engine's forwards all take the pool's length."""
+    model = random_llama(tiny_config(vocab_size=512), seed=3).to(DEV)
+    params = LiveParams(budget=6, topk=2, window=8)
+    draft = random_dflash(model) if drafter == "dflash" else None
+    outs = {}
+    for backend in ("sdpa", "triton"):
+        d = DFlashDrafter(draft, model) if draft is not None else NoDrafter()
+        eng = StaticEngine(
+            model, d, 4, (), slots=4, max_context=128, graphs=CUDA, attention=backend
+        )
+        assert eng.attention == backend
+        drafts = []
+        if eng.sdraft is not None:  # record the drafter's top-k per round (its attention)
+            forward = eng.sdraft.forward
+
+            def record(packed, key, forward=forward, drafts=drafts):
+                out = forward(packed, key)
+                drafts.append(out.cpu().clone())
+                return out
+
+            eng.sdraft.forward = record
+        seqs = [eng.new_sequence(p, SamplingParams(max_tokens=12)) for p in PROMPTS[:4]]
+        eng.prefill_batch(seqs[:3])
+        eng.step_batch(seqs[:3], params)
+        eng.prefill(seqs[3])  # joins late
+        while not all(s.finished for s in seqs):
+            eng.step_batch([s for s in seqs if not s.finished], params)
+        # the drafts too (accept lengths), not only the (lossless) output
+        outs[backend] = [(s.output, s.stats.accept_lengths) for s in seqs]
+        outs[backend + "-drafts"] = drafts
+        if backend == "triton":
+            assert eng.target.ctx_bucket(5) == eng.target.ctx_bucket(100) == eng.pool.max_len
+    assert outs["triton"] == outs["sdpa"]
+    mine, ref = outs["triton-drafts"], outs["sdpa-drafts"]
+    assert len(mine) == len(ref) and bool(ref) == (drafter == "dflash")
+    for a, b in zip(mine, ref, strict=True):  # same top-k ids, log-probs within fp32 noise
+        assert torch.equal(a[1], b[1]) and torch.allclose(a[0], b[0], atol=1e-4)
+
+
+def test_backend_choice():
+    """auto is triton where the kernel can run (CUDA, or the interpreter), else sdpa; an
+    explicit choice is kept or refused."""
+    assert A.backend("sdpa", torch.device(DEV)) == "sdpa"
+    assert A.backend("auto", torch.device(DEV)) == "triton"
+    if not CUDA:
+        del os.environ["TRITON_INTERPRET"]
+        try:
+            assert A.backend("auto", torch.device("cpu")) == "sdpa"
+            with pytest.raises(RuntimeError, match="triton needs"):
+                A.backend("triton", torch.device("cpu"))
+        finally:
+            os.environ["TRITON_INTERPRET"] = "1"
