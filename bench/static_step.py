@@ -2,13 +2,18 @@
 replay time, host time around it, kernels per step, and the floors.
 
     python -m ddserve.bench.static_step [--model smollm2-135m|random-smollm2] [--batches 1,4,16,64]
-        [--widths 2,4,8,16] [--context 256] [--modes eager,graph,compile] [--name static_step]
+        [--widths 2,4,8,16] [--context 256[,7200,...]] [--modes eager,graph,compile]
+        [--attention sdpa,triton] [--prefill 1000,7200] [--name static_step]
 
 For each mode (eager: no graph; graph: CUDA graph of the eager kernels; compile: CUDA graph
 of the torch.compile'd layers) and (B, W): the GPU time of one step (CUDA events over 50
 replays), the full call as the engine makes it (pack inputs, copy, replay, read argmax back),
 the kernels one step launches (profiler, eager/compiled run), and the floor: weights + the
-KV entries attended, read once at the measured copy bandwidth. Writes NAME.json.
+KV entries attended, read once at the measured copy bandwidth. With several --context values
+and --attention backends (ddserve.engine.attention), every (backend, context) pair is a row
+set, side by side in one run. --prefill N,...: the time to prefill one N-token prompt through
+the engine (StaticEngine.prefill, graphs and each backend's chunk widths), per backend and
+mode. Writes NAME.json.
 """
 
 from __future__ import annotations
@@ -24,8 +29,11 @@ import numpy as np
 import torch
 
 from ddserve.bench.gpu_compare import copy_bandwidth
+from ddserve.engine.drafters import NoDrafter
 from ddserve.engine.llama import LlamaConfig
+from ddserve.engine.sampling import SamplingParams
 from ddserve.engine.static import compile_layer_step, layer_step
+from ddserve.engine.static_engine import StaticEngine
 from ddserve.engine.static_models import StaticTarget, pack_target
 from ddserve.engine.weights import load_model, random_llama
 
@@ -120,8 +128,10 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--batches", default="1,4,16,64")
     ap.add_argument("--widths", default="2,4,8,16")
-    ap.add_argument("--context", type=int, default=256, help="committed entries per row")
+    ap.add_argument("--context", default="256", help="committed entries per row (comma list)")
     ap.add_argument("--modes", default="eager,graph,compile")
+    ap.add_argument("--attention", default="sdpa", help="comma list: sdpa, triton")
+    ap.add_argument("--prefill", default="", help="prompt lengths to time a prefill of")
     ap.add_argument("--name", default="static_step")
     ap.add_argument("--out", default="bench/results")
     a = ap.parse_args()
@@ -149,25 +159,74 @@ def main() -> None:
     }
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
+    contexts = [int(x) for x in a.context.split(",")]
+    prefills = [int(x) for x in a.prefill.split(",") if x]
+    longest = max(contexts + prefills) + max(widths)
     for mode in a.modes.split(","):
         layer_fn = compile_layer_step() if mode == "compile" else layer_step
-        st = StaticTarget(model, max(batches), 2048, (), True, layer_fn=layer_fn)
-        ctx = st.ctx_bucket(a.context + max(widths))
-        for b in batches:
-            for w in widths:
-                row = measure(st, mode, b, w, ctx, a.context)
-                floor = (weight_bytes + b * (a.context + w) * kv_bytes_per_entry) / bw * 1e3
-                row["floor_ms"] = round(floor, 4)
-                result["rows"].append(row)
-                print(
-                    f"{mode:8s} B={b:<3d} W={w:<3d} gpu {row['step_gpu_ms']:.3f} ms  call "
-                    f"{row['step_call_ms']:.3f} ms  kernels {row['kernels_per_step']}  floor "
-                    f"{floor:.3f} ms  first {row['first_call_s']} s",
-                    flush=True,
+        for attn in a.attention.split(","):
+            st = StaticTarget(
+                model, max(batches), longest, (), True, layer_fn=layer_fn, attention=attn
+            )
+            for length in contexts:
+                ctx = st.ctx_bucket(length + max(widths))
+                for b in batches:
+                    for w in widths:
+                        row = measure(st, mode, b, w, ctx, length)
+                        floor = (weight_bytes + b * (length + w) * kv_bytes_per_entry) / bw * 1e3
+                        row.update(attention=attn, context=length, floor_ms=round(floor, 4))
+                        result["rows"].append(row)
+                        print(
+                            f"{mode:8s} {attn:6s} ctx={length:<5d} B={b:<3d} W={w:<3d} gpu "
+                            f"{row['step_gpu_ms']:.3f} ms  call {row['step_call_ms']:.3f} ms  "
+                            f"kernels {row['kernels_per_step']}  floor {floor:.3f} ms  "
+                            f"first {row['first_call_s']} s",
+                            flush=True,
+                        )
+                        (out / f"{a.name}.json").write_text(json.dumps(result, indent=1))
+            del st
+            torch.cuda.empty_cache()
+            if prefills:
+                result.setdefault("prefill", []).extend(
+                    time_prefill(model, mode, attn, prefills, longest)
                 )
                 (out / f"{a.name}.json").write_text(json.dumps(result, indent=1))
-        del st
-        torch.cuda.empty_cache()
+
+
+def time_prefill(model, mode: str, attn: str, lengths: list[int], longest: int) -> list[dict]:
+    """Wall time of StaticEngine.prefill of one prompt per length (after one untimed prefill of
+    the same length: graphs captured, compiled), median of 5."""
+    eng = StaticEngine(
+        model,
+        NoDrafter(),
+        1,
+        (),
+        slots=1,
+        max_context=longest,
+        graphs=mode != "eager",
+        compile=mode == "compile",
+        attention=attn,
+    )
+    rows = []
+    rng = np.random.default_rng(0)
+    for n in lengths:
+        prompt = rng.integers(3, model.cfg.vocab_size, n + 1).tolist()
+        times = []
+        for i in range(6):
+            seq = eng.new_sequence(prompt, SamplingParams(max_tokens=1))
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            eng.prefill(seq)
+            torch.cuda.synchronize()
+            if i:
+                times.append(time.perf_counter() - t0)
+            eng.release(seq)
+        ms = float(np.median(times)) * 1e3
+        rows.append({"mode": mode, "attention": attn, "prompt_tokens": n, "prefill_ms": round(ms, 3)})
+        print(f"{mode:8s} {attn:6s} prefill {n:5d} tokens: {ms:.2f} ms", flush=True)
+    del eng
+    torch.cuda.empty_cache()
+    return rows
 
 
 if __name__ == "__main__":

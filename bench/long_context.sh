@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# Long prompts through `ddserve engine` (issue 18), side by side in one run: the same engine
+# (SmolLM2-135M, AR: drafter none) served twice,
+#   before  --attention-backend sdpa   --chunked-prefill-size -1   (the padded-range reference,
+#           prompts prefilled whole: the engine before this change)
+#   after   --attention-backend triton --chunked-prefill-size 2048 (the defaults on a GPU)
+# each measured with `ddserve bench` at C=1 and C=16 for synthetic prompts of ~30, ~1,000,
+# ~2,900 and ~7,200 tokens (128-token answers), then bench/admission.py (15 running streams
+# while a ~7,200-token prompt arrives).
+#
+#   bench/long_context.sh OUT [before] [after]
+# env: PY (python3), DEVICE (cuda), LENGTHS (30,1000,2900,7200), LEVELS (1,16), REQ (32)
+set -u
+out=$1
+shift
+parts=${*:-before after}
+py=${PY:-python3}
+device=${DEVICE:-cuda}
+lengths=${LENGTHS:-30,1000,2900,7200}
+levels=${LEVELS:-1,16}
+req=${REQ:-32}
+mkdir -p "$out"
+
+wait_url() {
+    $py - "$1" <<'PY'
+import sys, time, httpx
+for _ in range(1200):
+    try:
+        httpx.get(sys.argv[1] + "/v1/models", timeout=1).raise_for_status()
+        sys.exit(0)
+    except httpx.HTTPError:
+        time.sleep(0.5)
+sys.exit(1)
+PY
+}
+
+for part in $parts; do
+    SECONDS=0
+    case $part in
+    before) flags="--attention-backend sdpa --chunked-prefill-size -1" ;;
+    after) flags="--attention-backend triton --chunked-prefill-size 2048" ;;
+    *) echo "unknown part $part"; exit 2 ;;
+    esac
+    port=30112
+    # shellcheck disable=SC2086
+    $py -m ddserve engine --port $port --device "$device" --drafter none --max-batch 16 \
+        --max-context 8192 $flags >"$out/$part-engine.log" 2>&1 &
+    pid=$!
+    if wait_url "http://127.0.0.1:$port"; then
+        echo "$part: engine ready after ${SECONDS}s ($flags)"
+        for n in ${lengths//,/ }; do
+            $py -m ddserve bench --url "http://127.0.0.1:$port" --out "$out/$part-p$n" \
+                --concurrency "$levels" --requests "$req" --max-tokens 128 --prompt-tokens "$n" \
+                --no-progress | grep -E "^ +[0-9]+ " | sed "s/^/$part p$n /"
+        done
+        $py -m ddserve.bench.admission --url "http://127.0.0.1:$port" \
+            --out "$out/$part-admission.json" | grep -E "ttft|p99_over|max_over|running"
+    else
+        echo "$part: engine did not come up"; tail -5 "$out/$part-engine.log"
+    fi
+    kill $pid; wait $pid 2>/dev/null
+    echo "$part done in ${SECONDS}s"
+done
