@@ -7,7 +7,7 @@ inside the admission window (from the long prompt's send to its first token, plu
 overall ITL p99): p50, p99 and the longest gap, and the long prompt's TTFT.
 
     python -m ddserve.bench.admission --url http://127.0.0.1:30000 [--streams 15]
-        [--stream-tokens 384] [--long-tokens 7200] [--delay 2] [--out FILE.json]
+        [--stream-tokens 1024] [--long-tokens 7200] [--delay 0.5] [--out FILE.json]
 
 The engine's chunked prefill (--chunked-prefill-size) is what bounds the gaps; run it against
 servers with different settings side by side (bench/long_context.sh does).
@@ -135,10 +135,10 @@ def main() -> None:
     ap.add_argument("--model")
     ap.add_argument("--tokenizer", help="model spec whose tokenizer counts the long prompt")
     ap.add_argument("--streams", type=int, default=15)
-    ap.add_argument("--stream-tokens", type=int, default=384)
+    ap.add_argument("--stream-tokens", type=int, default=1024)
     ap.add_argument("--long-tokens", type=int, default=7200)
     ap.add_argument("--long-max-tokens", type=int, default=16)
-    ap.add_argument("--delay", type=float, default=2.0)
+    ap.add_argument("--delay", type=float, default=0.5)
     ap.add_argument("--out")
     a = ap.parse_args()
     res = asyncio.run(run(a))
