@@ -88,6 +88,8 @@ def mode_mask(mode: int, tree: torch.Tensor | None, b: int, w: int, device) -> t
 def plan(backend: str, past, mode: int, tree, ctx: int, groups: int, dtype, window=None) -> Attn:
     """The per-forward attention inputs for `backend` (the mask is built once, here)."""
     if backend == "triton":
+        from ddserve.engine import attention_triton  # noqa: F401 - registers the op
+
         return Attn("triton", past=past, tree=tree, window=window, mode=mode)
     b = past.shape[0]
     w = tree.shape[1] if tree is not None else None

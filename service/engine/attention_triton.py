@@ -21,7 +21,7 @@ import triton.language as tl
 
 from ddserve.engine.attention import CAUSAL, FULL, TREE, scale
 
-NEG = -1.0e30  # a finite -inf: an empty split or row stays NaN-free
+NEG = tl.constexpr(-1.0e30)  # a finite -inf: an empty split or row stays NaN-free
 
 
 @triton.jit
@@ -158,22 +158,25 @@ def multiprocessors(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def launch(q, kc, vc, rows, past, tree, window, w: int, mode: int, splits: int | None = None):
-    """q [B*W, nh, hd] -> out [B*W, nh, hd]. See the module docstring."""
+def launch(
+    q, kc, vc, rows, past, tree, window, w: int, mode: int, splits: int | None = None, **tune
+):
+    """q [B*W, nh, hd] -> out [B*W, nh, hd]. See the module docstring. `tune` (benchmarks):
+    block_n, num_warps, num_stages, fill (programs per multiprocessor to aim at)."""
     n, nh, hd = q.shape
     kvh = kc.shape[1]
     g, b = nh // kvh, n // w
     rows_g = g * w
     block_m = 16 if rows_g <= 16 else (32 if rows_g <= 32 else 64)
-    block_n = 64
+    block_n = tune.get("block_n", 64)
     block_d = triton.next_power_of_2(hd)
     mblocks = triton.cdiv(rows_g, block_m)
     if splits is None:
         # split the keys only while B x kvh x query blocks leaves the GPU idle; a split covers
         # at least 256 keys of the pool's length
         room = max(1, kc.shape[2] // 256)
-        fill = 2 * multiprocessors(q.device)  # enough programs to fill the GPU twice
-        splits = max(1, min(room, 16, fill // (b * kvh * mblocks)))
+        fill = tune.get("fill", 8) * multiprocessors(q.device)
+        splits = max(1, min(room, 32, fill // (b * kvh * mblocks)))
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     if q.stride(2) != 1:
         q = q.contiguous()
@@ -194,6 +197,7 @@ def launch(q, kc, vc, rows, past, tree, window, w: int, mode: int, splits: int |
         w, g, kvh, splits, mpad, scale(hd),
         HD=hd, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n,
         MODE=mode, HAS_WINDOW=window is not None, SPLIT=splits > 1, IEEE=ieee,
+        **{k: tune[k] for k in ("num_warps", "num_stages") if k in tune},
     )  # fmt: skip
     if splits > 1:
         _merge[(b * kvh, mblocks)](

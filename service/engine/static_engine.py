@@ -260,7 +260,9 @@ class StaticEngine:
                 at = seqs[i].cache.length
                 n = min(len(heads[i]) - at, w)
                 toks[r, :n] = heads[i][at : at + n]
-                pos[r] = at + np.arange(w)
+                # the chunk's padding past the prompt may run beyond the pool: clamp it to the
+                # last (guard) entry; no real token sees it (causal), and it is never kept
+                pos[r] = np.minimum(at + np.arange(w), ml - 1)
                 lens[r], rows[r] = at, seqs[i].cache.slot
                 takes.append((r, i, n))
                 longest = max(longest, at + w)
