@@ -85,17 +85,16 @@ def mode_mask(mode: int, tree: torch.Tensor | None, b: int, w: int, device) -> t
     return full.tril() if mode == CAUSAL else full
 
 
-def plan(backend: str, past, mode: int, tree, ctx: int, groups: int, dtype, window=None) -> Attn:
-    """The per-forward attention inputs for `backend` (the mask is built once, here)."""
+def plan(
+    backend: str, past, mode: int, tree, w: int, ctx: int, groups: int, dtype, window=None
+) -> Attn:
+    """The per-forward attention inputs for `backend` (the sdpa mask is built once, here).
+    `tree` [B, W, W] is read in TREE mode only (None otherwise)."""
     if backend == "triton":
         from ddserve.engine import attention_triton  # noqa: F401 - registers the op
 
         return Attn("triton", past=past, tree=tree, window=window, mode=mode)
-    b = past.shape[0]
-    w = tree.shape[1] if tree is not None else None
-    if w is None:
-        raise ValueError("sdpa needs the width: pass a tree (any [B, W, W]) for CAUSAL/FULL")
-    vis = mode_mask(mode, tree, b, w, past.device)
+    vis = mode_mask(mode, tree, past.shape[0], w, past.device)
     return Attn("sdpa", mask=fold_groups(attention_mask(past, vis, ctx, window), groups, dtype), ctx=ctx)
 
 

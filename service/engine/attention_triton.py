@@ -3,7 +3,8 @@ its split-merge kernel, and the torch op `ddserve::tree_attention` around them.
 
 Grid: (B x kv heads, query blocks, key splits). A program holds BLOCK_M folded query rows
 (row m = token m // G, head kvh*G + m % G) of one request and one kv head, and runs the online
-softmax over its share of that request's visible keys [lo, past + new_hi) in BLOCK_N steps:
+softmax over its share of that request's visible keys [lo, past + new_hi) in BLOCK_N steps, committed keys first
+(no mask to load), then the new ones:
     committed keys j < past         visible (j >= lo)
     new keys j = past + u, u < W     visible by mode: TREE tree[b, t, u]; CAUSAL u <= t; FULL
 With one split it writes the output; with several it writes (m, l, acc) partials that
@@ -66,42 +67,19 @@ def _attn(
     m_i = tl.full([BLOCK_M], NEG, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    for start in range(s_lo, s_hi, BLOCK_N):
-        j = start + tl.arange(0, BLOCK_N)
-        j_ok = j < s_hi
-        kv_mask = j_ok[:, None] & d_ok[None, :]
-        k = tl.load(K + base + j[:, None] * sk_l + d[None, :], mask=kv_mask, other=0.0)
-        if IEEE:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
-        s = s * sm_scale
-        u = j - past  # index among the new entries (< 0: committed)
-        if MODE == 0:  # TREE
-            in_new = (u >= 0) & (u < W)
-            seen = tl.load(
-                Tree + (b * W + t)[:, None] * W + u[None, :],
-                mask=m_ok[:, None] & in_new[None, :] & j_ok[None, :],
-                other=0,
-            )
-            vis = (u[None, :] < 0) | (seen != 0)
-        elif MODE == 1:  # CAUSAL
-            vis = u[None, :] <= t[:, None]
-        else:  # FULL
-            vis = u[None, :] < W
-        vis = vis & j_ok[None, :] & m_ok[:, None]
-        s = tl.where(vis, s, NEG)
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.exp(s - m_new[:, None])
-        p = tl.where(vis, p, 0.0)
-        alpha = tl.exp(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(V + base + j[:, None] * sk_l + d[None, :], mask=kv_mask, other=0.0)
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+    # committed keys first: every row sees them all (no mask but the range), then the new ones
+    # under the mode's mask; the committed loop, most of a long context, loads no mask
+    mid = tl.maximum(s_lo, tl.minimum(s_hi, past))
+    for start in range(s_lo, mid, BLOCK_N):
+        m_i, l_i, acc = _keys(
+            q, K + base, V + base, Tree, start, mid, past, b, t, m_ok, d, d_ok, sk_l, W, m_i,
+            l_i, acc, sm_scale, BLOCK_N, 3, IEEE,
+        )  # fmt: skip
+    for start in range(mid, s_hi, BLOCK_N):
+        m_i, l_i, acc = _keys(
+            q, K + base, V + base, Tree, start, s_hi, past, b, t, m_ok, d, d_ok, sk_l, W, m_i,
+            l_i, acc, sm_scale, BLOCK_N, MODE, IEEE,
+        )  # fmt: skip
     if SPLIT:
         at = (pid_bh * SPLITS + pid_s) * MPAD + m_idx
         tl.store(Mp + at, m_i)
@@ -114,6 +92,52 @@ def _attn(
             out.to(Out.dtype.element_ty),
             mask=m_ok[:, None] & d_ok[None, :],
         )
+
+
+@triton.jit
+def _keys(
+    q, Kb, Vb, Tree, start, end, past, b, t, m_ok, d, d_ok, sk_l, W, m_i, l_i, acc, sm_scale,
+    BLOCK_N: tl.constexpr, MODE: tl.constexpr, IEEE: tl.constexpr,
+):  # fmt: skip
+    """One BLOCK_N step of the online softmax over keys [start, end). MODE 3: committed keys
+    only (visible to every row)."""
+    j = start + tl.arange(0, BLOCK_N)
+    j_ok = j < end
+    kv_mask = j_ok[:, None] & d_ok[None, :]
+    k = tl.load(Kb + j[:, None] * sk_l + d[None, :], mask=kv_mask, other=0.0)
+    if IEEE:
+        s = tl.dot(q, tl.trans(k), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(k))
+    s = s * sm_scale
+    u = j - past  # index among the new entries (< 0: committed)
+    if MODE == 0:  # TREE
+        in_new = (u >= 0) & (u < W)
+        seen = tl.load(
+            Tree + (b * W + t)[:, None] * W + u[None, :],
+            mask=m_ok[:, None] & in_new[None, :] & j_ok[None, :],
+            other=0,
+        )
+        vis = (u[None, :] < 0) | (seen != 0)
+    elif MODE == 1:  # CAUSAL
+        vis = u[None, :] <= t[:, None]
+    elif MODE == 2:  # FULL
+        vis = u[None, :] < W
+    else:  # committed
+        vis = u[None, :] < 0
+    vis = vis & j_ok[None, :] & m_ok[:, None]
+    s = tl.where(vis, s, NEG)
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    p = tl.exp(s - m_new[:, None])
+    p = tl.where(vis, p, 0.0)
+    alpha = tl.exp(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = tl.load(Vb + j[:, None] * sk_l + d[None, :], mask=kv_mask, other=0.0)
+    if IEEE:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return m_new, l_i, acc
 
 
 @triton.jit
@@ -175,7 +199,7 @@ def launch(
         # split the keys only while B x kvh x query blocks leaves the GPU idle; a split covers
         # at least 256 keys of the pool's length
         room = max(1, kc.shape[2] // 256)
-        fill = tune.get("fill", 8) * multiprocessors(q.device)
+        fill = tune.get("fill", 4) * multiprocessors(q.device)
         splits = max(1, min(room, 32, fill // (b * kvh * mblocks)))
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     if q.stride(2) != 1:

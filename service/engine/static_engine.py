@@ -149,11 +149,10 @@ class StaticEngine:
             for w in self.chunks:
                 for ctx in ctxs:
                     if ctx >= w:
-                        tree = np.tile(np.tril(np.ones((w, w), dtype=bool)), (b, 1, 1))
                         guard = np.tile(np.arange(ml - w, ml), (b, 1))
                         zeros = np.zeros(b, np.int64)
                         toks = np.zeros((b, w), np.int64)
-                        packed = pack_target(toks, guard, guard, zeros, zeros, tree)
+                        packed = pack_target(toks, guard, guard, zeros, zeros)
                         self.target.forward(packed, b, w, ctx, False)
         if self.sdraft is not None:  # context-only rounds (budget 0)
             wn = self.sdraft.new_rows
@@ -266,8 +265,7 @@ class StaticEngine:
                 lens[r], rows[r] = at, seqs[i].cache.slot
                 takes.append((r, i, n))
                 longest = max(longest, at + w)
-            tree = np.tile(np.tril(np.ones((w, w), dtype=bool)), (b, 1, 1))
-            packed = pack_target(toks, pos, pos, lens, rows, tree)
+            packed = pack_target(toks, pos, pos, lens, rows)  # causal: no tree
             _, _, taps = self.target.forward(packed, b, w, self.target.ctx_bucket(longest), False)
             for r, i, n in takes:
                 if taps is not None:

@@ -87,7 +87,8 @@ class StaticTarget:
         m, n = self.model, b * w
         tok, pos, wpos = (inp[i * n : (i + 1) * n] for i in range(3))
         lens, rows = inp[3 * n : 3 * n + b], inp[3 * n + b : 3 * n + 2 * b]
-        tree = inp[3 * n + 2 * b :].view(b, w, w)  # int: nonzero = visible
+        # int, nonzero = visible; prefill (causal) packs none
+        tree = inp[3 * n + 2 * b :].view(b, w, w) if rows_are_slots else None
         wpos = wpos.view(b, w)
         # tok/pos: [B*W]  wpos: [B, W]  lens/rows: [B]  tree: [B, W, W]
         x = m.embed_tokens(tok)  # [B*W, H]
@@ -95,7 +96,7 @@ class StaticTarget:
         groups = m.cfg.num_heads // m.cfg.num_kv_heads
         # rows named by slot index are prompt chunks (prefill: causal); rows = slots verify trees
         mode = TREE if rows_are_slots else CAUSAL
-        attn = plan(self.attention, lens, mode, tree, ctx, groups, x.dtype)
+        attn = plan(self.attention, lens, mode, tree, w, ctx, groups, x.dtype)
         taps = []
         for i, block in enumerate(m.layers):
             x = self.layer(
@@ -120,12 +121,13 @@ class StaticTarget:
         return logits, top, taps
 
 
-def pack_target(tokens, pos, wpos, lens, rows, tree) -> np.ndarray:
-    """[B, W] tokens, positions, write positions; [B] lengths, slots; [B, W, W] tree mask ->
-    one int64 vector (one host->device copy)."""
-    return np.concatenate(
-        [tokens.ravel(), pos.ravel(), wpos.ravel(), lens, rows, tree.ravel().astype(np.int64)]
-    )
+def pack_target(tokens, pos, wpos, lens, rows, tree=None) -> np.ndarray:
+    """[B, W] tokens, positions, write positions; [B] lengths, slots; [B, W, W] tree mask (a
+    verify's; a prefill is causal and packs none) -> one int64 vector (one host->device copy)."""
+    parts = [tokens.ravel(), pos.ravel(), wpos.ravel(), lens, rows]
+    if tree is not None:
+        parts.append(tree.ravel().astype(np.int64))
+    return np.concatenate(parts)
 
 
 class StaticDFlash:
@@ -240,9 +242,8 @@ class StaticDFlash:
         x = torch.cat([emb, net.mask_embedding.to(emb.dtype).expand(b, depth, -1)], dim=1)
         x = x.reshape(b * q, -1)
         cos, sin = net.rotary(bpos, x.dtype)
-        block = torch.ones(b, q, q, dtype=torch.bool, device=inp.device)  # sdpa's width
         groups = c.num_heads // c.num_kv_heads
-        attn = plan(self.attention, lens, FULL, block, ctx, groups, x.dtype, window)
+        attn = plan(self.attention, lens, FULL, None, q, ctx, groups, x.dtype, window)
         for i, layer in enumerate(net.layers):
             x = self.layer(
                 layer, x, cos, sin, self.pool.k[i], self.pool.v[i], rows, bwpos, attn, True

@@ -76,7 +76,7 @@ def case(b, w, mode, *, slots=6, kvh=3, g=3, hd=64, length=300, window=False, dt
 def test_kernel_equals_reference(mode, b, w, splits, window, dtype):
     q, kc, vc, rows, past, tree, win = case(b, w, mode, window=window, dtype=dtype, seed=b * w)
     g = q.shape[1] // kc.shape[1]
-    ref_plan = A.plan("sdpa", past, mode, tree, kc.shape[2], g, dtype, win)
+    ref_plan = A.plan("sdpa", past, mode, tree, w, kc.shape[2], g, dtype, win)
     ref = A.attend(q, kc, vc, rows, b, w, ref_plan, False).float()
     out = launch(q, kc, vc, rows, past, tree if mode == A.TREE else None, win, w, mode, splits)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
