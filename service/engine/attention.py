@@ -14,10 +14,11 @@ Two implementations of that one rule:
               every one of the ctx keys of every row at full cost.
   * `triton`  one kernel (flash attention with the GQA group folded into the query rows, so
               each key is read once per kv head) that reads only the keys a row has: the loop
-              over keys stops at each row's own length, read from the device, so one CUDA graph
-              per (B, W) serves every context length. Split over the keys ("flash decoding")
-              when B x kv heads alone cannot fill the GPU, with a second small kernel merging
-              the splits. Registered as the torch op `ddserve::tree_attention` so
+              over keys stops at each row's own length, read from the device, so a CUDA graph
+              serves every length up to its context class (a power of two >= 512, which only
+              sets how many ways the keys may be split). Split over the keys ("flash
+              decoding") when the class is long and B x kv heads alone cannot fill the GPU,
+              with a second small kernel merging the splits. Registered as the torch op `ddserve::tree_attention` so
               torch.compile treats it as one opaque call.
 
 `backend("auto")` is triton on CUDA when triton imports, else sdpa. The triton kernel also runs
@@ -37,7 +38,8 @@ TREE, CAUSAL, FULL = 0, 1, 2
 
 class Attn(NamedTuple):
     """One forward's attention inputs, made once and shared by every layer.
-    sdpa: `mask` [B, 1, G*W, ctx] additive, keys [0, ctx). triton: `past` [B] committed
+    sdpa: `mask` [B, 1, G*W, ctx] additive, keys [0, ctx). triton: `ctx` the context class
+    (no row has more keys; it bounds the key splits), `past` [B] committed
     lengths, `tree` [B, W, W] (int, nonzero = visible; TREE mode only), `window` [B] or None,
     `mode` TREE / CAUSAL / FULL."""
 
@@ -93,7 +95,7 @@ def plan(
     if backend == "triton":
         from ddserve.engine import attention_triton  # noqa: F401 - registers the op
 
-        return Attn("triton", past=past, tree=tree, window=window, mode=mode)
+        return Attn("triton", ctx=ctx, past=past, tree=tree, window=window, mode=mode)
     vis = mode_mask(mode, tree, past.shape[0], w, past.device)
     return Attn("sdpa", mask=fold_groups(attention_mask(past, vis, ctx, window), groups, dtype), ctx=ctx)
 
@@ -105,7 +107,7 @@ def attend(q, kc, vc, rows, b: int, w: int, attn: Attn, rows_are_slots: bool) ->
     kvh = kc.shape[1]
     if attn.backend == "triton":
         out = torch.ops.ddserve.tree_attention(
-            q, kc, vc, rows, attn.past, attn.tree, attn.window, w, attn.mode
+            q, kc, vc, rows, attn.past, attn.tree, attn.window, w, attn.mode, attn.ctx
         )
         return out.view(n, nh * hd)
     g, ctx = nh // kvh, attn.ctx

@@ -183,10 +183,11 @@ def multiprocessors(device: torch.device) -> int:
 
 
 def launch(
-    q, kc, vc, rows, past, tree, window, w: int, mode: int, splits: int | None = None, **tune
+    q, kc, vc, rows, past, tree, window, w: int, mode: int, ctx: int = 0, splits=None, **tune
 ):
-    """q [B*W, nh, hd] -> out [B*W, nh, hd]. See the module docstring. `tune` (benchmarks):
-    block_n, num_warps, num_stages, fill (programs per multiprocessor to aim at)."""
+    """q [B*W, nh, hd] -> out [B*W, nh, hd]. See the module docstring. `ctx`: no row has more
+    keys (0: the pool's length). `tune` (benchmarks): block_n, num_warps, num_stages, fill
+    (programs per multiprocessor to aim at)."""
     n, nh, hd = q.shape
     kvh = kc.shape[1]
     g, b = nh // kvh, n // w
@@ -196,9 +197,10 @@ def launch(
     block_d = triton.next_power_of_2(hd)
     mblocks = triton.cdiv(rows_g, block_m)
     if splits is None:
-        # split the keys only while B x kvh x query blocks leaves the GPU idle; a split covers
-        # at least 256 keys of the pool's length
-        room = max(1, kc.shape[2] // 256)
+        # split the keys only while B x kvh x query blocks leaves the GPU idle, and only in
+        # long context classes: a split covers at least 256 keys (short ones: one kernel)
+        ctx = ctx or kc.shape[2]
+        room = 1 if ctx <= 512 else ctx // 256
         fill = tune.get("fill", 4) * multiprocessors(q.device)
         splits = max(1, min(room, 32, fill // (b * kvh * mblocks)))
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
@@ -242,12 +244,13 @@ def tree_attention(
     window: torch.Tensor | None,
     w: int,
     mode: int,
+    ctx: int,
 ) -> torch.Tensor:
-    return launch(q, kc, vc, rows, past, tree, window, w, mode)
+    return launch(q, kc, vc, rows, past, tree, window, w, mode, ctx)
 
 
 @tree_attention.register_fake
-def _(q, kc, vc, rows, past, tree, window, w, mode):
+def _(q, kc, vc, rows, past, tree, window, w, mode, ctx):
     return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 

@@ -65,11 +65,10 @@ class StaticTarget:
 
     def ctx_bucket(self, longest: int) -> int:
         """Keys attended per row: a power of two >= the longest committed + new entries
-        (sdpa reads that padded range); the triton kernel reads each row's own length, so
-        its forwards take the pool's length: one graph per (B, W) for every context."""
-        if self.attention == "triton":
-            return self.pool.max_len
-        return next_bucket(longest, 128, self.pool.max_len)
+        (sdpa reads that padded range). The triton kernel reads each row's own length; for it
+        the class only bounds the key splits, so it starts at 512: fewer graphs."""
+        lo = 512 if self.attention == "triton" else 128
+        return next_bucket(longest, lo, self.pool.max_len)
 
     @torch.inference_mode()
     def forward(self, packed: np.ndarray, b: int, w: int, ctx: int, rows_are_slots: bool):

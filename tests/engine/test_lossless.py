@@ -128,7 +128,9 @@ def plain_greedy(model, prompt, n, bias=None):
     ids, out, logprobs = list(prompt), [], []
     for _ in range(n):
         cache = model.new_cache(capacity=len(ids) + 8)
-        logits = model(torch.tensor(ids), torch.arange(len(ids)), cache)[-1].float()
+        dev = model.device
+        logits = model(torch.tensor(ids, device=dev), torch.arange(len(ids), device=dev), cache)
+        logits = logits[-1].float()
         biased = logits.clone()
         for t, b in (bias or {}).items():
             biased[t] += b
