@@ -292,6 +292,13 @@ class EngineConfig(_Frozen):
         description="The static engine's attention: triton = one kernel that reads only the keys each request has (tree, causal and windowed masks; one CUDA graph per shape for every context length); sdpa = the reference (torch's scaled_dot_product_attention over a padded key range). auto = triton with CUDA when triton imports, else sdpa.",
         json_schema_extra={"flag": "--attention-backend"},
     )
+    gpu_memory_utilization: float = Field(
+        0.9,
+        gt=0,
+        le=1,
+        description="Fraction of the GPU's memory the engine may fill (vLLM's flag): the KV pool takes what the weights leave of it, at most --max-batch slots of --max-context; fewer slots if they do not fit (logged; more requests wait for a free one), an error at start if not even one does. Unused on CPU, where the pool's pages take memory only once written.",
+        json_schema_extra={"flag": "--gpu-memory-utilization"},
+    )
     chunked_prefill_size: int = Field(
         2048,
         ge=-1,

@@ -27,7 +27,6 @@ on CPU under TRITON_INTERPRET=1, which is how CI checks it against the reference
 
 from __future__ import annotations
 
-import math
 from typing import NamedTuple
 
 import torch
@@ -97,7 +96,9 @@ def plan(
 
         return Attn("triton", ctx=ctx, past=past, tree=tree, window=window, mode=mode)
     vis = mode_mask(mode, tree, past.shape[0], w, past.device)
-    return Attn("sdpa", mask=fold_groups(attention_mask(past, vis, ctx, window), groups, dtype), ctx=ctx)
+    return Attn(
+        "sdpa", mask=fold_groups(attention_mask(past, vis, ctx, window), groups, dtype), ctx=ctx
+    )
 
 
 def attend(q, kc, vc, rows, b: int, w: int, attn: Attn, rows_are_slots: bool) -> torch.Tensor:
@@ -145,7 +146,3 @@ def _triton_ready(device: torch.device) -> bool:
     except ImportError:
         return False
     return True
-
-
-def scale(head_dim: int) -> float:
-    return 1.0 / math.sqrt(head_dim)

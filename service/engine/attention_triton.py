@@ -9,18 +9,19 @@ softmax over its share of that request's visible keys [lo, past + new_hi) in BLO
     new keys j = past + u, u < W     visible by mode: TREE tree[b, t, u]; CAUSAL u <= t; FULL
 With one split it writes the output; with several it writes (m, l, acc) partials that
 `_merge` combines. The number of splits depends only on the grid's other dimensions (shapes),
-never on lengths, so a CUDA graph of one shape replays for every context.
+never on lengths, so a CUDA graph of one shape replays for every context. MODE is
+ddserve.engine.attention's TREE 0 / CAUSAL 1 / FULL 2 (this module does not import it: that
+module imports this one where triton is); 3 = committed keys only (internal).
 """
 
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 import triton
 import triton.language as tl
-
-from ddserve.engine.attention import CAUSAL, FULL, TREE, scale
 
 NEG = tl.constexpr(-1.0e30)  # a finite -inf: an empty split or row stays NaN-free
 
@@ -220,7 +221,7 @@ def launch(
         q, kc, vc, rows, past, tree_t, win, out, mp, lp, ap,
         q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), kc.stride(2),
         out.stride(0), out.stride(1),
-        w, g, kvh, splits, mpad, scale(hd),
+        w, g, kvh, splits, mpad, 1.0 / math.sqrt(hd),
         HD=hd, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n,
         MODE=mode, HAS_WINDOW=window is not None, SPLIT=splits > 1, IEEE=ieee,
         **{k: tune[k] for k in ("num_warps", "num_stages") if k in tune},
@@ -252,6 +253,3 @@ def tree_attention(
 @tree_attention.register_fake
 def _(q, kc, vc, rows, past, tree, window, w, mode, ctx):
     return torch.empty_like(q, memory_format=torch.contiguous_format)
-
-
-assert (TREE, CAUSAL, FULL) == (0, 1, 2)  # the kernel's MODE values

@@ -230,6 +230,7 @@ class EngineRunner:
             graphs=self.config.graphs != "off" and cuda,
             compile=self.config.compile == "on" or (self.config.compile == "auto" and cuda),
             attention=self.config.attention_backend,
+            memory_fraction=self.config.gpu_memory_utilization,
         )
         spent = self.engine.warm_up(self.config.params)  # part of readiness
         if spent:
@@ -262,7 +263,7 @@ class EngineRunner:
 
     def load_gauges(self) -> dict:
         """The engine's load in the metric names of ddserve.api.observability.LOAD_GAUGES."""
-        total = self.config.max_batch
+        total = self.engine.pool.slots if self.engine is not None else self.config.max_batch
         free = self.engine.free_slots if self.engine is not None else total
         return {
             "num_requests_running": len(self._active),

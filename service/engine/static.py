@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from ddserve.engine.attention import Attn, attend
 from ddserve.engine.llama import Block, LlamaConfig, apply_rope, linear
-from ddserve.errors import EngineError
+from ddserve.errors import ConfigError, EngineError
 
 log = logging.getLogger(__name__)
 
@@ -100,6 +100,24 @@ class KVPool:
         d, r = torch.tensor(dst, device=dev), torch.tensor(src, device=dev)
         for buf in (self.k, self.v):
             buf[:, s, :, d] = buf[:, s, :, r]
+
+
+def fit_slots(wanted: int, per_slot: int, free: int, total: int, fraction: float) -> int:
+    """How many KV slots of `per_slot` bytes the pool gets: at most `wanted`, within what is
+    free now less the (1 - fraction) of the device's `total` kept for activations, graphs and
+    everything else (vLLM's --gpu-memory-utilization). Not even one: a ConfigError that says
+    what to change."""
+    budget = free - (1.0 - fraction) * total
+    n = int(budget // per_slot) if budget > 0 else 0
+    if n < 1:
+        gib = 1 << 30
+        raise ConfigError(
+            f"the KV cache of one request at this max_context needs {per_slot / gib:.2f} GiB; "
+            f"{max(budget, 0) / gib:.2f} GiB are left for it at gpu_memory_utilization="
+            f"{fraction:g} ({free / gib:.1f} of {total / gib:.1f} GiB free after the weights): "
+            "lower --max-context or raise --gpu-memory-utilization"
+        )
+    return min(wanted, n)
 
 
 class SlotCache:

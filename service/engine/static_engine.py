@@ -31,6 +31,7 @@ same code. Parameters are read once per round, so a live change is atomic per ro
 
 from __future__ import annotations
 
+import logging
 import secrets
 import time
 
@@ -50,10 +51,25 @@ from ddserve.engine.sampling import (
     target_tokens,
 )
 from ddserve.engine.sequence import Outcome, Sequence, truncate_at_stop
-from ddserve.engine.static import SlotCache, compile_layer_step, layer_step, next_bucket
-from ddserve.engine.static_models import StaticDFlash, StaticTarget, pack_draft, pack_target
+from ddserve.engine.static import (
+    SlotCache,
+    compile_layer_step,
+    fit_slots,
+    layer_step,
+    next_bucket,
+)
+from ddserve.engine.static_models import (
+    GUARD,
+    StaticDFlash,
+    StaticTarget,
+    pack_draft,
+    pack_target,
+    round_up,
+)
 from ddserve.engine.tree import Tree, accept, ancestor_mask, build_tree, build_tree_top
 from ddserve.errors import EngineError
+
+log = logging.getLogger(__name__)
 
 PREFILL_CHUNKS = (16, 64, 256)  # prompt chunk widths, sdpa (it reads a padded key range)
 PREFILL_CHUNKS_LONG = (16, 64, 256, 1024, 2048)  # with the triton kernel
@@ -88,6 +104,7 @@ class StaticEngine:
         graphs: bool = True,
         compile: bool = False,
         attention: str = "auto",
+        memory_fraction: float | None = None,
     ):
         self.model = model
         self.drafter = drafter
@@ -96,6 +113,8 @@ class StaticEngine:
         # target layers whose outputs the drafter is conditioned on (kept from verify)
         self.capture: tuple[int, ...] = tuple(getattr(drafter, "capture", ()))
         graphs = graphs and model.device.type == "cuda"
+        if memory_fraction is not None and model.device.type == "cuda":
+            slots = self._slots_that_fit(model, drafter, slots, max_context, memory_fraction)
         layer_fn = compile_layer_step() if compile else layer_step  # the hot step, compiled once
         self.attention = attention_backend(attention, model.device)
         self.chunks = PREFILL_CHUNKS_LONG if self.attention == "triton" else PREFILL_CHUNKS
@@ -121,6 +140,26 @@ class StaticEngine:
                 attention=self.attention,
             )
         self.timing = {"rounds": 0, "draft_s": 0.0, "tree_s": 0.0, "verify_s": 0.0, "accept_s": 0.0}
+
+    @staticmethod
+    def _slots_that_fit(model, drafter, slots: int, max_context: int, fraction: float) -> int:
+        """The KV slots (target's pool + the DFlash drafter's) that fit in the GPU's memory;
+        fewer than asked is logged."""
+        cfg, size = model.cfg, model.dtype.itemsize
+        max_len = round_up(max_context + GUARD, 64)
+        per_slot = 2 * cfg.num_layers * cfg.num_kv_heads * max_len * cfg.head_dim * size
+        if isinstance(drafter, DFlashDrafter):
+            c = drafter.net.c
+            per_slot += 2 * c.num_layers * c.num_kv_heads * max_len * c.head_dim * size
+        free, total = torch.cuda.mem_get_info(model.device)
+        n = fit_slots(slots, per_slot, free, total, fraction)
+        if n < slots:
+            log.warning(
+                "KV pool: %d of %d slots fit (%.2f GiB each at max_context=%d, "
+                "gpu_memory_utilization=%g); more requests wait for a free slot",
+                n, slots, per_slot / (1 << 30), max_context, fraction,
+            )  # fmt: skip
+        return n
 
     @torch.inference_mode()
     def warm_up(self, params: LiveParams, contexts=(128, 256, 512)) -> float:

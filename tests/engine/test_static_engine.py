@@ -368,3 +368,20 @@ async def _collect(runner, prompt, n):
     async for step in runner.generate(prompt, SamplingParams(max_tokens=n, ignore_eos=True)):
         out += step.token_ids
     return out
+
+
+def test_kv_slots_fit_the_memory_fraction():
+    """The pool gets at most --max-batch slots, as many as fit in what is free less the
+    (1 - fraction) of the device kept for everything else; not even one is a config error
+    naming the two settings to change (CUDA only: the engine asks torch.cuda.mem_get_info)."""
+    from ddserve.engine.static import fit_slots
+    from ddserve.errors import ConfigError
+
+    gib = 1 << 30
+    assert fit_slots(64, gib, free=100 * gib, total=140 * gib, fraction=0.9) == 64
+    assert fit_slots(128, gib, free=100 * gib, total=140 * gib, fraction=0.9) == 86
+    assert fit_slots(128, gib, free=100 * gib, total=140 * gib, fraction=0.5) == 30
+    with pytest.raises(ConfigError, match="lower --max-context or raise --gpu-memory"):
+        fit_slots(8, 2 * gib, free=15 * gib, total=140 * gib, fraction=0.9)
+    with pytest.raises(ValueError, match="gpu_memory_utilization"):
+        EngineConfig(model="tiny-random", gpu_memory_utilization=1.5)
