@@ -27,6 +27,7 @@ import httpx
 from ddserve.bench.http1 import Pool
 from ddserve.bench.load import percentile
 from ddserve.bench.prompts import CHAT_PROMPTS, synthetic_set
+from ddserve.errors import EngineError
 
 
 async def stream(pool: Pool, body: dict, stamps: list[float]) -> int:
@@ -36,7 +37,7 @@ async def stream(pool: Pool, body: dict, stamps: list[float]) -> int:
     async with pool.post("/v1/chat/completions", json.dumps(body).encode()) as r:
         if r.status != 200:
             text = b"".join([p async for p in r.body()]).decode(errors="replace")
-            raise RuntimeError(f"HTTP {r.status}: {text[:200]}")
+            raise EngineError(f"HTTP {r.status}: {text[:200]}")
         async for data in r.body():
             now = time.perf_counter()
             *lines, buf = (buf + data).split(b"\n")
@@ -45,7 +46,7 @@ async def stream(pool: Pool, body: dict, stamps: list[float]) -> int:
                     continue
                 chunk = json.loads(line[5:])
                 if "error" in chunk:
-                    raise RuntimeError(str(chunk["error"])[:200])
+                    raise EngineError(str(chunk["error"])[:200])
                 if (chunk.get("choices") or [{}])[0].get("delta", {}).get("content"):
                     stamps.append(now)
                 if usage := chunk.get("usage"):

@@ -22,15 +22,19 @@ Two implementations of that one rule:
               torch.compile treats it as one opaque call.
 
 `backend("auto")` is triton on CUDA when triton imports, else sdpa. The triton kernel also runs
-on CPU under TRITON_INTERPRET=1, which is how CI checks it against the reference.
+on CPU in triton's interpreter (TRITON_INTERPRET=1 when it is imported), which is how CI
+checks it against the reference; auto never picks it there.
 """
 
 from __future__ import annotations
 
+import os
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
+
+from ddserve.errors import ConfigError
 
 TREE, CAUSAL, FULL = 0, 1, 2
 
@@ -122,25 +126,22 @@ def attend(q, kc, vc, rows, b: int, w: int, attn: Attn, rows_are_slots: bool) ->
 
 
 def backend(name: str, device: torch.device) -> str:
-    """auto -> triton on CUDA when it imports, else sdpa. An explicit `triton` without triton
-    (or without CUDA and TRITON_INTERPRET) is an error the caller reports."""
+    """auto -> triton on CUDA when it imports, else sdpa. An explicit `triton` off CUDA runs
+    only under TRITON_INTERPRET=1 (the tests); without triton it is a config error."""
     if name == "sdpa":
         return "sdpa"
-    ok = _triton_ready(device)
-    if name == "triton" and not ok:
-        raise RuntimeError(
-            "attention backend triton needs the triton package and a CUDA device "
-            "(or TRITON_INTERPRET=1)"
+    cuda = torch.device(device).type == "cuda"
+    if name == "auto":
+        return "triton" if cuda and _triton_imports() else "sdpa"
+    if not (cuda or os.environ.get("TRITON_INTERPRET") == "1") or not _triton_imports():
+        raise ConfigError(
+            "attention_backend=triton needs the triton package and a CUDA device; "
+            "use --attention-backend sdpa (or auto)"
         )
-    return "triton" if ok else "sdpa"
+    return "triton"
 
 
-def _triton_ready(device: torch.device) -> bool:
-    import os
-
-    interpret = os.environ.get("TRITON_INTERPRET") == "1"
-    if torch.device(device).type != "cuda" and not interpret:
-        return False
+def _triton_imports() -> bool:
     try:
         from ddserve.engine import attention_triton  # noqa: F401 - registers the op
     except ImportError:

@@ -30,7 +30,7 @@ NEG = tl.constexpr(-1.0e30)  # a finite -inf: an empty split or row stays NaN-fr
 def _attn(
     Q, K, V, Rows, Past, Tree, Window, Out, Mp, Lp, Ap,
     sq_n, sq_h, sk_s, sk_h, sk_l, so_n, so_h,
-    W, G, KVH, SPLITS, MPAD, sm_scale,
+    W, G, KVH, SPLITS, MPAD, LEN, sm_scale,
     HD: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     MODE: tl.constexpr, HAS_WINDOW: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr,
 ):  # fmt: skip
@@ -58,6 +58,7 @@ def _attn(
         hi = past + t_last + 1
     else:
         hi = past + W
+    hi = tl.minimum(hi, LEN)  # a prompt chunk's padding may run past the slot: never read it
     lo = past * 0
     if HAS_WINDOW:
         lo = tl.maximum(past - tl.load(Window + b), 0)
@@ -207,6 +208,7 @@ def launch(
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     if q.stride(2) != 1:
         q = q.contiguous()
+    assert kc.stride() == vc.stride() and kc.stride(3) == 1, "K and V pools share one layout"
     ieee = q.dtype == torch.float32
     tree_t = tree if tree is not None else past  # unused unless MODE == TREE
     win = window if window is not None else past
@@ -221,7 +223,7 @@ def launch(
         q, kc, vc, rows, past, tree_t, win, out, mp, lp, ap,
         q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), kc.stride(2),
         out.stride(0), out.stride(1),
-        w, g, kvh, splits, mpad, 1.0 / math.sqrt(hd),
+        w, g, kvh, splits, mpad, kc.shape[2], 1.0 / math.sqrt(hd),
         HD=hd, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n,
         MODE=mode, HAS_WINDOW=window is not None, SPLIT=splits > 1, IEEE=ieee,
         **{k: tune[k] for k in ("num_warps", "num_stages") if k in tune},
