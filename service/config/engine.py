@@ -289,7 +289,7 @@ class EngineConfig(_Frozen):
     )
     attention_backend: Literal["auto", "sdpa", "triton"] = Field(
         "auto",
-        description="The static engine's attention: triton = one kernel that reads only the keys each request has (tree, causal and windowed masks; one CUDA graph per shape for every context length); sdpa = the reference (torch's scaled_dot_product_attention over a padded key range). auto = triton with CUDA when triton imports, else sdpa.",
+        description="The static engine's attention: triton = one kernel that reads only the keys each request has (tree, causal and windowed masks); sdpa = the reference (torch's scaled_dot_product_attention over a padded key range). auto = triton with CUDA when triton imports, else sdpa.",
         json_schema_extra={"flag": "--attention-backend"},
     )
     gpu_memory_utilization: float = Field(

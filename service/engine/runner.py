@@ -368,7 +368,7 @@ class EngineRunner:
 
     def _room(self) -> int:
         """Pending requests that may start now: as many as the KV pool has free slots for
-        (counting active ones that will take theirs at prefill)."""
+        (counting active ones that take theirs in their first round: no sequence yet)."""
         free = self.engine.free_slots
         unprefilled = sum(1 for r in self._active if r.seq is None and not r.failed)
         return max(0, free - unprefilled)

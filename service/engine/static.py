@@ -11,7 +11,8 @@ that CUDA graphs can capture.
                  and attention over each row's slot (ddserve.engine.attention: the sdpa
                  reference over [0, ctx), or the triton kernel over each row's own length);
                  shapes depend only on (B, W, ctx), so a captured graph replays it for any
-                 content (with triton, ctx is the pool's length: one graph per (B, W)).
+                 content (with triton, ctx is a context class >= 512 that only bounds the
+                 key splits: one graph per (B, W) serves every length within it).
     GraphCache   captures one CUDA graph per shape key on first use (or at warm-up) and
                  replays it; every graph shares one memory pool and one input buffer.
 
@@ -64,6 +65,11 @@ class KVPool:
         self.k = zeros(shape, device, dtype)
         self.v = zeros(shape, device, dtype)
         self._free = list(range(slots))
+
+    @staticmethod
+    def slot_bytes(cfg: LlamaConfig, num_layers: int, max_len: int, dtype: torch.dtype) -> int:
+        """Bytes one slot of such a pool takes (keys and values)."""
+        return 2 * num_layers * cfg.num_kv_heads * max_len * cfg.head_dim * dtype.itemsize
 
     @property
     def free(self) -> int:

@@ -8,8 +8,9 @@ token for token is tests/engine/reference.py), over static state:
   * prefill in chunks of fixed widths through the same forward (up to 8 prompts, causal, no
     logits), at most `max_tokens` prompt tokens per call when the caller asks (chunked
     prefill: the runner interleaves a long prompt's chunks with the running requests' rounds)
-  * attention by ddserve.engine.attention: the triton kernel on CUDA (each row's own keys,
-    one graph per shape for every context length), the sdpa reference elsewhere
+  * attention by ddserve.engine.attention: the triton kernel on CUDA (each row's own keys;
+    a graph per shape and context class, which only bounds the key splits), the sdpa
+    reference elsewhere
   * the DFlash drafter batched the same way over its own pool (context keys/values written
     in place, no per-round allocation), also graph-captured
   * argmax and the finiteness check inside the graph: one device->host copy per verify;
@@ -52,6 +53,7 @@ from ddserve.engine.sampling import (
 )
 from ddserve.engine.sequence import Outcome, Sequence, truncate_at_stop
 from ddserve.engine.static import (
+    KVPool,
     SlotCache,
     compile_layer_step,
     fit_slots,
@@ -59,12 +61,11 @@ from ddserve.engine.static import (
     next_bucket,
 )
 from ddserve.engine.static_models import (
-    GUARD,
     StaticDFlash,
     StaticTarget,
     pack_draft,
     pack_target,
-    round_up,
+    pool_length,
 )
 from ddserve.engine.tree import Tree, accept, ancestor_mask, build_tree, build_tree_top
 from ddserve.errors import EngineError
@@ -145,12 +146,11 @@ class StaticEngine:
     def _slots_that_fit(model, drafter, slots: int, max_context: int, fraction: float) -> int:
         """The KV slots (target's pool + the DFlash drafter's) that fit in the GPU's memory;
         fewer than asked is logged."""
-        cfg, size = model.cfg, model.dtype.itemsize
-        max_len = round_up(max_context + GUARD, 64)
-        per_slot = 2 * cfg.num_layers * cfg.num_kv_heads * max_len * cfg.head_dim * size
-        if isinstance(drafter, DFlashDrafter):
+        max_len = pool_length(max_context)
+        per_slot = KVPool.slot_bytes(model.cfg, model.cfg.num_layers, max_len, model.dtype)
+        if isinstance(drafter, DFlashDrafter):  # its pool has the target's slots and length
             c = drafter.net.c
-            per_slot += 2 * c.num_layers * c.num_kv_heads * max_len * c.head_dim * size
+            per_slot += KVPool.slot_bytes(c, c.num_layers, max_len, model.dtype)
         free, total = torch.cuda.mem_get_info(model.device)
         n = fit_slots(slots, per_slot, free, total, fraction)
         if n < slots:

@@ -30,6 +30,11 @@ def round_up(n: int, m: int) -> int:
     return -(-n // m) * m
 
 
+def pool_length(max_context: int, guard: int = GUARD) -> int:
+    """Entries per KV slot: the context plus the guard, rounded up to 64."""
+    return round_up(max_context + guard, 64)
+
+
 class StaticTarget:
     """The target model's forward over a KV pool with one slot per request."""
 
@@ -54,7 +59,7 @@ class StaticTarget:
             cfg,
             cfg.num_layers,
             slots,
-            round_up(max_context + guard, 64),
+            pool_length(max_context, guard),
             guard,
             model.device,
             model.dtype,

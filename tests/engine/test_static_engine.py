@@ -385,3 +385,10 @@ def test_kv_slots_fit_the_memory_fraction():
         fit_slots(8, 2 * gib, free=15 * gib, total=140 * gib, fraction=0.9)
     with pytest.raises(ValueError, match="gpu_memory_utilization"):
         EngineConfig(model="tiny-random", gpu_memory_utilization=1.5)
+    # the per-slot size the engine asks for is what a pool of that shape takes
+    from ddserve.engine.static import KVPool
+
+    cfg = tiny_config(vocab_size=512)
+    pool = KVPool(cfg, cfg.num_layers, 3, 640, 512, "cpu", torch.float32)
+    per_slot = KVPool.slot_bytes(cfg, cfg.num_layers, 640, torch.float32)
+    assert 3 * per_slot == pool.k.nbytes + pool.v.nbytes
