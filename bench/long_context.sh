@@ -21,18 +21,7 @@ levels=${LEVELS:-1,16}
 req=${REQ:-32}
 mkdir -p "$out"
 
-wait_url() {
-    $py - "$1" <<'PY'
-import sys, time, httpx
-for _ in range(1200):
-    try:
-        httpx.get(sys.argv[1] + "/v1/models", timeout=1).raise_for_status()
-        sys.exit(0)
-    except httpx.HTTPError:
-        time.sleep(0.5)
-sys.exit(1)
-PY
-}
+source "$(dirname "$0")/common.sh"  # wait_url
 
 for part in $parts; do
     SECONDS=0
