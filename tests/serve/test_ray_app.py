@@ -89,7 +89,9 @@ def test_stream_is_not_buffered_into_lumps(serve_app):
         for line in r.iter_lines():
             if line.startswith("data: {"):
                 arrivals.append(time.perf_counter())
-    assert len(arrivals) >= 60
+    # A reader slower than the engine gets coalesced chunks (ddserve.backends.core), so on a
+    # loaded CI machine 64 tokens come in fewer than 64 events; a buffered stream comes in 1-2.
+    assert len(arrivals) >= 16
     spread = arrivals[-1] - arrivals[0]
     first_gap = arrivals[1] - arrivals[0]
     assert spread > 0 and first_gap < spread / 2  # tokens arrive over time, not in one lump
