@@ -5,6 +5,10 @@
         [--max-tokens 128] [--temperature 0] [--prompt-set chat] [--name engine_load]
         [--compile auto|on|off] [--spec-max-batch N]
 
+A config name may end in `@adaptive` (dflash-b16k4@adaptive): the same engine with
+--speculative-adaptive (its budget is the ceiling); its row records the budgets its rounds
+used per level and the policy's estimates (tok/s per request per budget and batch bucket).
+
 The worker the server runs (admission by free KV slots, prefill, one verify per round for
 every active request) driven by C asyncio clients, fixed output length (ignore_eos), the
 first C requests of a level not counted. Per level: output tok/s, requests/s, TTFT and
@@ -57,8 +61,10 @@ async def one(runner: EngineRunner, prompt: list[int], sampling: SamplingParams)
 
 
 def run_config(lm, name, a, prompts, levels) -> dict:
-    kind, budget, topk = REGISTRY[name]
+    base, _, mode = name.partition("@")
+    kind, budget, topk = REGISTRY[base]
     cfg = EngineConfig(
+        speculative_adaptive=mode == "adaptive",
         model=a.model,
         device=a.device,
         max_batch=max(levels),
@@ -77,8 +83,19 @@ def run_config(lm, name, a, prompts, levels) -> dict:
         "ready_s": round(time.perf_counter() - t0, 2),
         "levels": [],
     }
+    budgets: dict[int, int] = {}
+    if runner.policy is not None:  # count the budgets the rounds use
+        choose = runner.policy.choose
+
+        def counted(batch, ceiling):
+            b = choose(batch, ceiling)
+            budgets[b] = budgets.get(b, 0) + 1
+            return b
+
+        runner.policy.choose = counted
     for c in levels:
         timing0 = dict(getattr(runner.engine, "timing", {}))
+        budgets.clear()
 
         async def send(i, c=c):
             s = SamplingParams(
@@ -93,12 +110,16 @@ def run_config(lm, name, a, prompts, levels) -> dict:
             rounds = max(1, tm["rounds"] - timing0["rounds"])
             for k in ("draft_s", "tree_s", "verify_s", "accept_s"):
                 lv[k.replace("_s", "_ms_per_round")] = round((tm[k] - timing0[k]) / rounds * 1e3, 3)
+        if runner.policy is not None:
+            lv["round_budgets"] = dict(sorted(budgets.items()))
         row["levels"].append(lv)
         print(
             f"  {name:14s} C={c:<3d} {lv['output_tok_s']:9.1f} tok/s  tau {lv['tau_mean']}  "
             f"TTFT p50 {lv['ttft_ms_p50']} ms  ITL p50 {lv['itl_ms_p50']} ms  errors {lv['errors']}",
             flush=True,
         )
+    if runner.policy is not None:
+        row["policy_tok_s_per_request"] = runner.policy.snapshot()
     runner.shutdown()
     runner.engine = None
     gc.collect()
@@ -127,7 +148,13 @@ def main() -> None:
     a = ap.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     configs = a.configs.split(",")
-    bad = [c for c in configs if c not in REGISTRY or REGISTRY[c][0] == "dflash-fullvocab"]
+    bad = [
+        c
+        for c in configs
+        if (b := c.partition("@"))[0] not in REGISTRY
+        or REGISTRY[b[0]][0] == "dflash-fullvocab"
+        or b[2] not in ("", "adaptive")
+    ]
     if bad:
         sys.exit(f"unknown config {bad[0]!r}; known: {', '.join(REGISTRY)}")
     try:

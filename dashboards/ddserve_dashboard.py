@@ -87,6 +87,12 @@ PANELS: list[Panel] = [
     ),
     Panel(
         SPEC,
+        "Draft budget of the last round per replica (below the live budget: adaptive or crowded)",
+        "none",
+        [("{{replica}}", f"max by (replica) (ddserve:spec_budget{{{SEL}}})")],
+    ),
+    Panel(
+        SPEC,
         "Acceptance length p50 / p90",
         "none",
         [("p50", _q("ddserve:accept_length", 0.5)), ("p90", _q("ddserve:accept_length", 0.9))],

@@ -51,7 +51,13 @@ CONFIG_LABELS = (
     "top_p",
     "top_k",
 )
-LOAD_GAUGES = ("num_requests_running", "num_requests_waiting", "kv_slots_used", "kv_slots_total")
+LOAD_GAUGES = (
+    "num_requests_running",
+    "num_requests_waiting",
+    "kv_slots_used",
+    "kv_slots_total",
+    "spec_budget",
+)
 
 
 @dataclass(frozen=True)
@@ -78,6 +84,7 @@ METRICS = {
         Metric("num_requests_waiting", "gauge", "Requests waiting for the engine (a KV slot)."),
         Metric("kv_slots_used", "gauge", "KV cache slots held by requests (one per running request)."),
         Metric("kv_slots_total", "gauge", "KV cache slots of the engine's pool (static engine only)."),
+        Metric("spec_budget", "gauge", "Draft budget (tree nodes) of the engine's last round: the live budget, or below it under --speculative-adaptive or spec_max_batch (builtin engine)."),
         Metric("verify_rounds", "counter", "Target verify forwards (decoding rounds); tokens / rounds = tau."),
         Metric("accept_length", "histogram", "Tokens committed per verify round (acceptance length, tau).", buckets=ACCEPT_BUCKETS),
         Metric("spec_decode_num_drafts", "counter", "Verify rounds that verified a draft tree."),

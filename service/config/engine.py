@@ -283,6 +283,11 @@ class EngineConfig(_Frozen):
         ge=0,
         description="Rounds with more active requests than this run without a draft (budget 0): at large batches verify compute, not launches, bounds a step and speculation costs more than it saves. None = always speculate.",
     )
+    speculative_adaptive: bool = Field(
+        False,
+        description="Each round's draft budget follows the live batch: the live budget is the ceiling, and a round drafts the budget (0 = none, the widths below the ceiling, or the ceiling) with the most tokens per second as measured on this engine's own rounds at that batch size (ddserve.engine.adaptive). Builtin engine; spec_max_batch still applies.",
+        json_schema_extra={"flag": "--speculative-adaptive"},
+    )
     compile: Literal["auto", "on", "off"] = Field(
         "auto",
         description="torch.compile the static engine's decoder layers (fused kernels; compiled once at start-up, cached on disk by inductor). auto = on with CUDA.",

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from ddserve.config.engine import EngineConfig, LiveParams
+from ddserve.engine.adaptive import SpecPolicy, candidates
 from ddserve.engine.drafters import Drafter, ModelDrafter, NGramDrafter, NoDrafter
 from ddserve.engine.sampling import Logprobs, RequestStats, SamplingParams
 from ddserve.engine.sequence import Sequence
@@ -172,6 +173,8 @@ class EngineRunner:
         self._thread: threading.Thread | None = None
         self.started_at = 0.0
         self.load_s = 0.0
+        self.policy: SpecPolicy | None = None  # adaptive speculation (made at load)
+        self.last_budget = 0  # the budget of the last round (a gauge)
 
     # -- lifecycle --------------------------------------------------------------------
     def start(self) -> None:
@@ -232,7 +235,11 @@ class EngineRunner:
             attention=self.config.attention_backend,
             memory_fraction=self.config.gpu_memory_utilization,
         )
-        spent = self.engine.warm_up(self.config.params)  # part of readiness
+        params = self.config.params
+        if self.config.speculative_adaptive and not isinstance(drafter, NoDrafter):
+            self.policy = SpecPolicy()
+        budgets = candidates(params.budget) if self.policy else None
+        spent = self.engine.warm_up(params, budgets=budgets)  # part of readiness
         if spent:
             log.info("warm-up: %d CUDA graphs captured in %.1fs", self.engine.graph_count, spent)
         self._fingerprint = self.config.fingerprint()
@@ -270,6 +277,7 @@ class EngineRunner:
             "num_requests_waiting": len(self._pending),
             "kv_slots_used": total - free,
             "kv_slots_total": total,
+            "spec_budget": self.last_budget,
         }
 
     # -- live parameters --------------------------------------------------------------
@@ -410,9 +418,15 @@ class EngineRunner:
                     ready.append(req)
         if not ready:
             return
-        limit = self.config.spec_max_batch
-        if limit is not None and len(ready) > limit and params.budget:
-            params = params.model_copy(update={"budget": 0})  # batch-bound: verify roots only
+        budget, limit = params.budget, self.config.spec_max_batch
+        if limit is not None and len(ready) > limit:
+            budget = 0  # batch-bound: verify roots only
+        elif self.policy is not None:
+            budget = self.policy.choose(len(ready), budget)
+        if budget != params.budget:
+            params = params.model_copy(update={"budget": budget})
+        self.last_budget = budget
+        t0 = time.perf_counter()
         try:
             news = self.engine.step_batch([r.seq for r in ready], params)
         except Exception:
@@ -425,6 +439,9 @@ class EngineRunner:
             for req in ready:
                 self._run_round([req], params, fingerprint)
             return
+        if self.policy is not None:
+            got = sum(len(n) for n in news if not isinstance(n, Exception))
+            self.policy.record(len(ready), budget, time.perf_counter() - t0, got / len(ready))
         # past the shared forward each request's outcome is its own: a failure ends that
         # request only, every other one gets this round's tokens (exactly once)
         for req, new in zip(ready, news, strict=True):

@@ -162,16 +162,18 @@ class StaticEngine:
         return n
 
     @torch.inference_mode()
-    def warm_up(self, params: LiveParams, contexts=(128, 256, 512)) -> float:
+    def warm_up(self, params: LiveParams, contexts=(128, 256, 512), budgets=None) -> float:
         """Capture the graphs the current parameters use (every batch bucket, AR and tree
         widths, short contexts, the prefill chunks) with inputs that touch only guard
-        entries. Longer contexts and other widths are captured on first use."""
+        entries; `budgets`: every budget rounds may use (adaptive speculation), by default
+        the live one. Longer contexts and other widths are captured on first use."""
         if not self.target.graphs.enabled:
             return 0.0
         t0 = time.perf_counter()
         ml = self.pool.max_len
+        budgets = sorted(set(budgets or [params.budget]))
         ctxs = sorted({self.target.ctx_bucket(c) for c in contexts})
-        widths = sorted({2, next_bucket(min(params.budget, 1 << 20) + 1, 2, 1 << 30)})
+        widths = sorted({2} | {next_bucket(min(b, 1 << 20) + 1, 2, 1 << 30) for b in budgets})
         for b in bucket_sizes(self.pool.slots):
             for w in widths:
                 for ctx in ctxs:
@@ -197,11 +199,10 @@ class StaticEngine:
             wn = self.sdraft.new_rows
             for b in bucket_sizes(self.pool.slots):
                 self.sdraft.write_only(np.tile(np.arange(ml - wn, ml), (b, 1)))
-        depth = min(self.depth, params.budget)
-        if self.sdraft is not None and depth > 0:
-            depth = min(depth, self.sdraft.block)
+        depths = {min(self.depth, self.sdraft.block, b) for b in budgets} if self.sdraft else ()
+        topk = next_bucket(params.topk, 1, MAX_TOPK)
+        for depth in sorted(d for d in depths if d > 0):
             q, wn = depth + 1, self.sdraft.new_rows
-            topk = next_bucket(params.topk, 1, MAX_TOPK)
             for b in bucket_sizes(self.pool.slots):
                 for ctx in ctxs:
                     packed = pack_draft(

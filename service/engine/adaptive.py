@@ -1,0 +1,140 @@
+"""Adaptive speculation: each round's draft budget follows the live batch.
+
+With `--speculative-adaptive` the live `budget` is a ceiling. The candidates of a round are 0
+(no draft: the root alone, plain autoregressive) and the budgets that fill a verify width
+(1, 3, 7, 15, ... below the ceiling) and the ceiling itself. A small batch is bound by the
+launches and weight reads of a step, so a bigger tree is nearly free and each accepted token
+saves a step; a big batch is bound by the verify's arithmetic, so every drafted node costs
+compute and speculation loses. Where the crossover lies depends on the model, the drafter,
+the GPU and the prompts, so it is measured, not configured:
+
+  * time[bucket, b]: the wall time of a round of `b` at a batch of that size bucket (the
+    batch rounded up to a power of two, as the engine's graphs are), an exponential average
+    of the rounds themselves (a sample is clipped at 2x the estimate, so a one-off stall
+    such as a graph captured on first use does not poison it);
+  * gain[b]: tokens a request gets per round at `b` (1 at budget 0), averaged the same way
+    over all batch sizes (acceptance depends on the drafter and the text, not the batch),
+    and kept monotone in b: a best-first tree of budget b is the first b nodes of every
+    bigger one, so what a round at b measures bounds the others' stale estimates.
+
+A round picks the candidate with the most tokens per second, gain[b] / time[bucket, b].
+At a new batch bucket every candidate runs twice first (the first round of a shape may pay
+for warming it up: its time is replaced by the second's); after that another candidate (the
+best that just lost, else each in turn) is re-tried every `interval` rounds of that bucket,
+an interval that doubles while the best holds (16 .. 1024 rounds) and starts over when it
+changes; a re-try's sample weighs more (its estimate may be old). So the policy follows a
+changing workload while exploring under 1% of rounds once settled. `SpecPolicy` is plain arithmetic over what `record` is told: no clock, no torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+ALPHA = 0.1  # weight of a new sample in the averages
+# a re-try's sample, whose estimate may be many rounds old: it replaces the time (rounds
+# of one shape vary little) and weighs half in the gain (a round's acceptance varies a lot)
+RETRY_TIME_ALPHA, RETRY_GAIN_ALPHA = 1.0, 0.5
+CLIP = 2.0  # a time sample counts at most CLIP x the current estimate
+EXPLORE_MIN, EXPLORE_MAX = 16, 1024  # rounds between re-tries of another candidate
+FIRST_SAMPLES = 2  # rounds of each candidate at a new batch size; the first one is dropped
+
+
+def candidates(ceiling: int) -> list[int]:
+    """0, the budgets that fill a verify width (2**j - 1) below `ceiling`, and `ceiling`."""
+    out, b = [0], 1
+    while b < ceiling:
+        out.append(b)
+        b = 2 * b + 1
+    if ceiling > 0:
+        out.append(ceiling)
+    return out
+
+
+def size_bucket(batch: int) -> int:
+    b = 1
+    while b < batch:
+        b *= 2
+    return b
+
+
+@dataclass
+class _Bucket:
+    rounds: int = 0
+    best: int | None = None
+    interval: int = EXPLORE_MIN
+    next_explore: int = EXPLORE_MIN
+    previous: int | None = None  # the best before the last change: re-tried first
+    cursor: int = 0  # round-robin over the other candidates
+    trying: int | None = None  # the budget being re-tried this round
+
+
+@dataclass
+class SpecPolicy:
+    time: dict[tuple[int, int], float] = field(default_factory=dict)
+    gain: dict[int, float] = field(default_factory=lambda: {0: 1.0})
+    buckets: dict[int, _Bucket] = field(default_factory=dict)
+    samples: dict[tuple[int, int], int] = field(default_factory=dict)
+
+    def choose(self, batch: int, ceiling: int) -> int:
+        """The budget of a round of `batch` requests under the live ceiling."""
+        cands = candidates(ceiling)
+        if len(cands) == 1:
+            return cands[0]
+        key = size_bucket(batch)
+        for b in cands:  # measure every candidate at this size first
+            if self.samples.get((key, b), 0) < FIRST_SAMPLES or b not in self.gain:
+                return b
+        st = self.buckets.setdefault(key, _Bucket())
+        st.rounds += 1
+        best = max(cands, key=lambda b: self.rate(key, b))
+        if best != st.best:
+            st.previous, st.best, st.interval = st.best, best, EXPLORE_MIN
+            st.next_explore = st.rounds + st.interval
+        st.trying = None
+        if st.rounds < st.next_explore:
+            return best
+        st.interval = min(2 * st.interval, EXPLORE_MAX)
+        st.next_explore = st.rounds + st.interval
+        others = [b for b in cands if b != best]
+        if st.previous in others:  # the one that just lost: it may have lost to noise
+            st.trying, st.previous = st.previous, None
+        else:
+            st.cursor = (st.cursor + 1) % len(others)
+            st.trying = others[st.cursor]
+        return st.trying
+
+    def rate(self, key: int, budget: int) -> float:
+        """Estimated tokens per second per request of a round of `budget` at bucket `key`."""
+        return self.gain[budget] / self.time[(key, budget)]
+
+    def record(self, batch: int, budget: int, seconds: float, tokens_per_request: float) -> None:
+        """What a round of `batch` requests at `budget` took and gave."""
+        key = (size_bucket(batch), budget)
+        st = self.buckets.get(key[0])
+        retry = st is not None and st.trying == budget
+        n = self.samples[key] = self.samples.get(key, 0) + 1
+        a = RETRY_TIME_ALPHA if retry or n <= FIRST_SAMPLES else ALPHA
+        old = self.time.get(key)
+        self.time[key] = seconds if old is None else _avg(old, min(seconds, CLIP * old), a)
+        if budget > 0:
+            a = RETRY_GAIN_ALPHA if retry else ALPHA
+            old = self.gain.get(budget)
+            g = tokens_per_request if old is None else _avg(old, tokens_per_request, a)
+            self.gain[budget] = g
+            # a best-first tree of budget b is the first b nodes of any bigger one, so gain
+            # cannot fall with the budget: a stale estimate on either side moves with this one
+            for b in self.gain:
+                if b > budget and self.gain[b] < g or b < budget and self.gain[b] > g:
+                    self.gain[b] = g
+
+    def snapshot(self) -> dict:
+        """The estimates, for logs and benchmarks: {bucket: {budget: tok/s per request}}."""
+        out: dict[int, dict[int, float]] = {}
+        for (key, b), t in sorted(self.time.items()):
+            if b in self.gain:
+                out.setdefault(key, {})[b] = round(self.gain[b] / t, 1)
+        return out
+
+
+def _avg(old: float, new: float, alpha: float) -> float:
+    return (1 - alpha) * old + alpha * new

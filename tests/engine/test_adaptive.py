@@ -1,0 +1,168 @@
+"""Adaptive speculation (ddserve.engine.adaptive): the policy picks the budget a world of
+known costs says is fastest at each batch size (budget 0 above the crossover), follows a
+change of acceptance and of the ceiling, explores little once settled; in the runner, rounds
+of changing budgets decode exactly like plain greedy decoding."""
+
+import asyncio
+
+import pytest
+
+from ddserve.config.engine import EngineConfig
+from ddserve.engine.adaptive import EXPLORE_MAX, SpecPolicy, candidates, size_bucket
+from ddserve.engine.runner import EngineRunner
+from ddserve.engine.sampling import SamplingParams
+
+
+def test_candidates_fill_verify_widths_up_to_the_ceiling():
+    assert candidates(0) == [0]
+    assert candidates(1) == [0, 1]
+    assert candidates(3) == [0, 1, 3]
+    assert candidates(16) == [0, 1, 3, 7, 15, 16]
+    assert candidates(8) == [0, 1, 3, 7, 8]
+    assert [size_bucket(b) for b in (1, 2, 3, 5, 64, 65)] == [1, 2, 4, 8, 64, 128]
+
+
+class World:
+    """A GPU-like cost model (the H200's launch-bound step, ~8 us of arithmetic per verified
+    row): a round costs a fixed time plus every verified node of every request (budget + 1
+    rows, padded to a power of two), and a draft when b > 0 (its own launches, depth + 1
+    rows per request); a request gets 1 + the accepted part of a chain of b nodes. Its
+    crossover: b=15 at 1 request, 7 at 2-4, 3 at 16-32, none from 64."""
+
+    def __init__(self, accept_per_depth=0.7):
+        self.p = accept_per_depth
+
+    def seconds(self, batch, b):
+        width = size_bucket(b + 1)
+        draft = 0.4e-3 + batch * (min(b, 8) + 1) * 4e-6 if b else 0.0
+        return 1.4e-3 + batch * width * 8e-6 + draft
+
+    def tokens(self, b):  # expected tokens of a chain-like tree of b nodes
+        return 1 + sum(self.p**d for d in range(1, b + 1)) if b else 1.0
+
+    def best(self, batch, ceiling):
+        return max(candidates(ceiling), key=lambda b: self.tokens(b) / self.seconds(batch, b))
+
+
+def drive(policy, world, batch, ceiling, rounds):
+    chosen = []
+    for _ in range(rounds):
+        b = policy.choose(batch, ceiling)
+        assert 0 <= b <= ceiling
+        policy.record(batch, b, world.seconds(batch, b), world.tokens(b))
+        chosen.append(b)
+    return chosen
+
+
+@pytest.mark.parametrize("batch", [1, 2, 4, 16, 64, 256])
+def test_policy_settles_on_the_fastest_budget_of_each_batch_size(batch):
+    world, policy = World(), SpecPolicy()
+    chosen = drive(policy, world, batch, 16, 3000)
+    best = world.best(batch, 16)
+    settled = chosen[-2000:]
+    assert settled.count(best) >= 0.99 * len(settled), (batch, best, set(settled))
+    if batch >= 64:  # arithmetic-bound: above the crossover no draft pays
+        assert best == 0
+    if batch == 1:
+        assert best > 0
+
+
+def test_policy_per_batch_size_and_ceiling():
+    """One policy learns several batch sizes at once; a lower ceiling is obeyed at once; a
+    ceiling of 0 is plain decoding."""
+    world, policy = World(), SpecPolicy()
+    for _ in range(300):
+        for batch in (1, 64):
+            drive(policy, world, batch, 16, 1)
+    assert drive(policy, world, 1, 16, 100).count(world.best(1, 16)) >= 95
+    assert drive(policy, world, 64, 16, 100).count(0) >= 95
+    assert max(drive(policy, world, 1, 3, 200)) <= 3
+    assert set(drive(policy, world, 1, 0, 50)) == {0}
+
+
+def test_policy_follows_a_drafter_that_stops_and_starts_agreeing():
+    world, policy = World(0.8), SpecPolicy()
+    drive(policy, world, 2, 16, 500)
+    assert policy.choose(2, 16) > 0
+    world.p = 0.0  # the text changed: nothing is accepted any more
+    assert drive(policy, world, 2, 16, 300)[-100:].count(0) >= 95
+    world.p = 0.8  # found only by exploring the neighbours of budget 0
+    chosen = drive(policy, world, 2, 16, 6 * EXPLORE_MAX)
+    assert chosen[-100:].count(world.best(2, 16)) >= 95
+
+
+@pytest.mark.parametrize("batch", [1, 4, 64])
+def test_one_stalled_round_costs_little(batch):
+    """A round that takes 10 s (a graph captured on first use, say) counts as at most 2x its
+    estimate: the next 200 rounds still run at >= 98% of the best budget's rate."""
+    world, policy = World(), SpecPolicy()
+    drive(policy, world, batch, 16, 500)
+    best = policy.choose(batch, 16)
+    policy.record(batch, best, 10.0, world.tokens(best))
+    chosen = drive(policy, world, batch, 16, 200)
+    rate = sum(world.tokens(b) for b in chosen) / sum(world.seconds(batch, b) for b in chosen)
+    assert rate >= 0.98 * world.tokens(best) / world.seconds(batch, best)
+
+
+def run_runner(adaptive: bool, budget: int, prompts, *, changes=None):
+    cfg = EngineConfig(
+        model="tiny-random",
+        device="cpu",
+        max_batch=4,
+        speculative_adaptive=adaptive,
+        drafter={"kind": "ngram"},
+        params={"budget": budget, "topk": 2},
+    )
+    runner = EngineRunner(cfg)
+    runner.start()
+    chosen = []
+    if runner.policy is not None:  # a spy on the budgets the rounds use
+        choose = runner.policy.choose
+        runner.policy.choose = lambda batch, ceiling: chosen.append(
+            (ceiling, choose(batch, ceiling))
+        ) or chosen[-1][1]
+    try:
+
+        async def one(p):
+            out = []
+            async for step in runner.generate(p, SamplingParams(max_tokens=40, ignore_eos=True)):
+                out += step.token_ids
+            return out
+
+        async def main():
+            first = await asyncio.gather(*(one(p) for p in prompts))
+            if changes:
+                runner.update_params(**changes)
+            second = await asyncio.gather(*(one(p) for p in prompts))
+            return first + second
+
+        return asyncio.run(main()), chosen, runner.load_gauges()
+    finally:
+        runner.shutdown()
+
+
+def test_adaptive_rounds_decode_like_plain_greedy_and_obey_the_live_ceiling():
+    prompts = [[1, 5, 6, 5, 6, 5, 6] * 3, [1, 9, 9, 9, 9, 9] * 3, [1, 4, 4, 2] * 4]
+    plain, _, _ = run_runner(False, 0, prompts)
+    outs, chosen, gauges = run_runner(True, 8, prompts, changes={"budget": 3})
+    assert outs == plain  # every budget a round picks is lossless
+    before = [b for c, b in chosen if c == 8]
+    after = [b for c, b in chosen if c == 3]
+    assert before and after
+    assert set(before) >= {0, 1, 3, 7, 8}  # each candidate measured
+    assert max(after) <= 3
+    assert gauges["spec_budget"] in (0, 1, 3)
+
+
+def test_a_candidate_measured_badly_at_first_is_found_again():
+    """Budget 0 is the best at 64 requests, but both of its first rounds there ran 3x slow
+    (a CPU allocator warming up, say): a re-try finds it again."""
+    world, policy = World(), SpecPolicy()
+    slow = 0
+    for _ in range(2 * EXPLORE_MAX):
+        b = policy.choose(64, 16)
+        t = world.seconds(64, b)
+        if b == 0 and slow < 2:
+            t, slow = 3 * t, slow + 1
+        policy.record(64, b, t, world.tokens(b))
+    assert drive(policy, world, 64, 16, 100).count(0) >= 95
