@@ -12,7 +12,8 @@ token for token is tests/engine/reference.py), over static state:
     a graph per shape and context class, which only bounds the key splits), the sdpa
     reference elsewhere
   * the DFlash drafter batched the same way over its own pool (context keys/values written
-    in place, no per-round allocation), also graph-captured
+    in place, no per-round allocation), also graph-captured; rounds without a draft (budget
+    0) buffer their feature rows and write the context only when a slot's rows are full
   * argmax and the finiteness check inside the graph: one device->host copy per verify;
     accepted paths move in the pool with one gather/scatter for the whole batch
   * logit_bias: added to the target's logits at every node of a biased request's tree
@@ -430,9 +431,11 @@ class StaticEngine:
                     moves[0].append(slot)
                     moves[1].append(n0 + j)
                     moves[2].append(n0 + i)
-            if self.sdraft is not None:  # root + accepted path feed the next draft
+            if self.sdraft is not None:  # root + accepted path feed the next draft, after
+                # the rows still waiting to be written (budget-0 rounds defer the write)
                 src += [slot * w + i for i in keep]
-                dst += [slot * self.sdraft.new_rows + j for j in range(len(keep))]
+                at = slot * self.sdraft.new_rows + seq.pending
+                dst += [at + j for j in range(len(keep))]
         self.pool.move(*moves)
         if src:  # copied out now: the next forward of this shape overwrites `taps`
             dev = taps.device
@@ -452,7 +455,7 @@ class StaticEngine:
             path, bonus = d
             seq.cache.length += len(path) + 1
             if self.sdraft is not None:
-                seq.pending = len(path) + 1
+                seq.pending += len(path) + 1
             new = [tree.tokens[i] for i in path] + [bonus]
             new = truncate_at_stop(seq, new, self.eos_token_ids)
             seq.tokens.extend(new)
@@ -488,7 +491,11 @@ class StaticEngine:
         t0 = time.perf_counter()
         depth = min(self.depth, params.budget)
         if self.sdraft is None or depth <= 0:
-            if self.sdraft is not None:  # budget 0: keep the drafter's context current
+            # budget 0: the drafter's context write waits until a sequence's feature rows
+            # would not hold another round's root (or the next draft writes them)
+            if self.sdraft is not None and any(
+                s.pending >= self.sdraft.new_rows for s in seqs
+            ):
                 b = next_bucket(self.pool.used_rows, 1, self.pool.slots)
                 self.sdraft.write_only(self._feed_context(seqs, b))
             trees = [

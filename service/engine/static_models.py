@@ -158,7 +158,9 @@ class StaticDFlash:
             fuse_weights(layer)
         self.c = c = net.c
         self.block = c.block_size
-        self.new_rows = c.block_size + 1  # root + accepted path of one round, at most
+        # feature rows a slot buffers: one round's root + accepted path at most, or the
+        # roots of budget-0 rounds, which defer the context write until the rows are full
+        self.new_rows = c.block_size + 1
         self.pool = KVPool(
             c, c.num_layers, slots, max_len, guard, drafter.target.device, drafter.target.dtype
         )
@@ -173,7 +175,8 @@ class StaticDFlash:
 
     @torch.inference_mode()
     def write_only(self, cwpos: np.ndarray) -> None:
-        """A round without a draft (budget 0): only write the new context entries."""
+        """Write the buffered context entries without a draft (budget-0 rounds, once a
+        slot's feature rows are full)."""
         b = cwpos.shape[0]
         key = ("ctx", b)
         inp = self._inputs(key)

@@ -15,6 +15,7 @@ from ddserve.engine.drafters import NGramDrafter, NoDrafter
 from ddserve.engine.runner import EngineRunner
 from ddserve.engine.sampling import SamplingParams
 from ddserve.engine.static_engine import StaticEngine
+from ddserve.engine.tree import accept
 from ddserve.engine.weights import random_llama, tiny_config
 from ddserve.errors import EngineError
 from tests.engine.reference import ReferenceDFlash, ReferenceEngine
@@ -263,6 +264,37 @@ def test_spec_max_batch_switches_crowded_rounds_to_plain_decoding():
         assert rounds_together > rounds_alone  # crowded rounds drafted nothing
     finally:
         runner.shutdown()
+
+
+def test_budget_changing_every_round_with_a_dflash_drafter(tiny):
+    """Rounds whose budget changes (runs of budget-0 rounds, which defer the drafter's context
+    write, between drafting rounds of several sizes; adaptive speculation does this) decode
+    like the reference engine round for round: the same tokens and accept lengths, so every
+    draft saw its whole context. Two requests share the rounds, one joins late."""
+    draft = random_dflash(tiny)
+    ref = ReferenceEngine(tiny, ReferenceDFlash(draft, tiny), 6, ())
+    eng = StaticEngine(
+        tiny, DFlashDrafter(draft, tiny), 6, (), slots=4, max_context=256, graphs=False
+    )
+    # 12 budget-0 rounds in a row overflow the 7 feature rows a slot buffers (block 6 + root)
+    schedule = [8, 0, 0, 3, *[0] * 12, 16, 1, 0, 0, 0, 7, *[0] * 5, 8, 8]
+    outs = []
+    for e in (ref, eng):
+        trees = []  # every tree verified, in order: the drafts themselves must agree
+        e.accept = lambda tree, targets, trees=trees: trees.append(tree.tokens) or accept(
+            tree, targets
+        )
+        seqs = [e.new_sequence(p, SamplingParams(max_tokens=60)) for p in PROMPTS[:2]]
+        e.prefill(seqs[0])
+        for rnd, budget in enumerate(schedule * 3):
+            if rnd == 5:
+                e.prefill(seqs[1])
+            active = [s for s in seqs[: 1 + (rnd >= 5)] if not s.finished]
+            if active:
+                e.step_batch(active, LiveParams(budget=budget, topk=2))
+        outs.append(([(s.output, s.stats.accept_lengths) for s in seqs], trees))
+    assert outs[0] == outs[1]
+    assert sum(len(t) > 1 for t in outs[1][1]) > 20  # many rounds drafted
 
 
 def test_trees_at_the_end_of_the_context(tiny):
