@@ -493,9 +493,7 @@ class StaticEngine:
         if self.sdraft is None or depth <= 0:
             # budget 0: the drafter's context write waits until a sequence's feature rows
             # would not hold another round's root (or the next draft writes them)
-            if self.sdraft is not None and any(
-                s.pending >= self.sdraft.new_rows for s in seqs
-            ):
+            if self.sdraft is not None and any(s.pending >= self.sdraft.new_rows for s in seqs):
                 b = next_bucket(self.pool.used_rows, 1, self.pool.slots)
                 self.sdraft.write_only(self._feed_context(seqs, b))
             trees = [

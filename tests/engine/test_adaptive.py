@@ -118,9 +118,9 @@ def run_runner(adaptive: bool, budget: int, prompts, *, changes=None):
     chosen = []
     if runner.policy is not None:  # a spy on the budgets the rounds use
         choose = runner.policy.choose
-        runner.policy.choose = lambda batch, ceiling: chosen.append(
-            (ceiling, choose(batch, ceiling))
-        ) or chosen[-1][1]
+        runner.policy.choose = lambda batch, ceiling: (
+            chosen.append((ceiling, choose(batch, ceiling))) or chosen[-1][1]
+        )
     try:
 
         async def one(p):

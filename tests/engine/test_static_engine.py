@@ -281,8 +281,8 @@ def test_budget_changing_every_round_with_a_dflash_drafter(tiny):
     outs = []
     for e in (ref, eng):
         trees = []  # every tree verified, in order: the drafts themselves must agree
-        e.accept = lambda tree, targets, trees=trees: trees.append(tree.tokens) or accept(
-            tree, targets
+        e.accept = lambda tree, targets, trees=trees: (
+            trees.append(tree.tokens) or accept(tree, targets)
         )
         seqs = [e.new_sequence(p, SamplingParams(max_tokens=60)) for p in PROMPTS[:2]]
         e.prefill(seqs[0])
