@@ -55,6 +55,26 @@ def zeros(shape: tuple[int, ...], device, dtype: torch.dtype) -> torch.Tensor:
     return torch.from_numpy(raw).view(dtype)
 
 
+class Staging:
+    """Host-to-device copies of packed integer inputs that never wait for the GPU: on CUDA
+    through a pinned buffer per input (rewritten only after the round's one sync, when the
+    copy out of it is long done), so the host packs the next forward while the GPU still runs
+    the last one; elsewhere a plain copy."""
+
+    def __init__(self):
+        self.buffers: dict[int, torch.Tensor] = {}
+
+    def copy(self, dst: torch.Tensor, packed: np.ndarray) -> None:
+        if dst.device.type != "cuda":
+            dst.copy_(torch.from_numpy(packed))
+            return
+        buf = self.buffers.get(id(dst))
+        if buf is None:
+            buf = self.buffers[id(dst)] = torch.empty(dst.shape, dtype=dst.dtype, pin_memory=True)
+        np.copyto(buf.numpy(), packed.reshape(dst.shape), casting="same_kind")
+        dst.copy_(buf, non_blocking=True)
+
+
 class KVPool:
     def __init__(
         self, cfg: LlamaConfig, num_layers: int, slots: int, max_len: int, guard: int, device, dtype

@@ -68,7 +68,15 @@ from ddserve.engine.static_models import (
     pack_target,
     pool_length,
 )
-from ddserve.engine.tree import Tree, accept, ancestor_mask, build_tree, build_tree_top
+from ddserve.engine.tree import (
+    DeviceTrees,
+    Tree,
+    accept,
+    ancestor_mask,
+    build_tree,
+    build_tree_top,
+    size_bound,
+)
 from ddserve.errors import EngineError
 
 log = logging.getLogger(__name__)
@@ -107,6 +115,7 @@ class StaticEngine:
         compile: bool = False,
         attention: str = "auto",
         memory_fraction: float | None = None,
+        device_tree: bool | None = None,
     ):
         self.model = model
         self.drafter = drafter
@@ -141,6 +150,13 @@ class StaticEngine:
                 layer_fn=layer_fn,
                 attention=self.attention,
             )
+        # DFlash trees built on the GPU (ddserve.engine.tree_triton) where triton kernels run:
+        # auto = with CUDA and triton; True off CUDA only under TRITON_INTERPRET (the tests)
+        if device_tree is None:
+            device_tree = (
+                model.device.type == "cuda" and attention_backend("auto", model.device) == "triton"
+            )
+        self.device_tree = bool(device_tree) and self.sdraft is not None
         self.timing = {"rounds": 0, "draft_s": 0.0, "tree_s": 0.0, "verify_s": 0.0, "accept_s": 0.0}
 
     @staticmethod
@@ -174,7 +190,7 @@ class StaticEngine:
         ml = self.pool.max_len
         budgets = sorted(set(budgets or [params.budget]))
         ctxs = sorted({self.target.ctx_bucket(c) for c in contexts})
-        widths = sorted({2} | {next_bucket(min(b, 1 << 20) + 1, 2, 1 << 30) for b in budgets})
+        widths = sorted({2} | {self.tree_width(b, params.topk)[0] for b in budgets})
         for b in bucket_sizes(self.pool.slots):
             for w in widths:
                 for ctx in ctxs:
@@ -200,9 +216,14 @@ class StaticEngine:
             wn = self.sdraft.new_rows
             for b in bucket_sizes(self.pool.slots):
                 self.sdraft.write_only(np.tile(np.arange(ml - wn, ml), (b, 1)))
-        depths = {min(self.depth, self.sdraft.block, b) for b in budgets} if self.sdraft else ()
-        topk = next_bucket(params.topk, 1, MAX_TOPK)
-        for depth in sorted(d for d in depths if d > 0):
+        keys = set()  # the draft graphs' keys but batch size and context
+        for budget in budgets if self.sdraft is not None else ():
+            depth = min(self.depth, self.sdraft.block, budget)
+            if depth > 0 and self.device_tree:
+                keys.add((depth, params.topk, budget, self.tree_width(budget, params.topk)[0]))
+            elif depth > 0:
+                keys.add((depth, next_bucket(params.topk, 1, MAX_TOPK)))
+        for depth, *rest in sorted(keys):
             q, wn = depth + 1, self.sdraft.new_rows
             for b in bucket_sizes(self.pool.slots):
                 for ctx in ctxs:
@@ -214,7 +235,7 @@ class StaticEngine:
                         np.zeros(b, np.int64),
                         np.full(b, ml, np.int64),
                     )
-                    self.sdraft.forward(packed, (b, depth, ctx, topk))
+                    self.sdraft.forward(packed, (b, depth, ctx, *rest))
         torch.cuda.synchronize()
         return time.perf_counter() - t0
 
@@ -348,40 +369,52 @@ class StaticEngine:
         tokens, or the exception that ended it (its commit did not happen; the others' did).
         Per-request stats: its share of the draft time, and the verify's wall time."""
         t0 = time.perf_counter()
-        trees = self._draft_trees(seqs, params)
+        drafted = self._draft_trees(seqs, params)
         t1 = time.perf_counter()
+        on_device = isinstance(drafted, DeviceTrees)
         b = next_bucket(self.pool.used_rows, 1, self.pool.slots)
-        w = next_bucket(max(t.size for t in trees), 2, 1 << 30)
-        by_slot = {s.cache.slot: (s, t) for s, t in zip(seqs, trees, strict=True)}
+        if on_device:  # built on the GPU: only their sizes' bound is known here
+            w, sizes = drafted.width, [drafted.bound] * len(seqs)
+        else:
+            sizes = [t.size for t in drafted]
+            w = next_bucket(max(sizes), 2, 1 << 30)
         tokens = np.zeros((b, w), dtype=np.int64)
         pos = np.zeros((b, w), dtype=np.int64)
         wpos = np.tile(np.arange(self.pool.max_len - w, self.pool.max_len), (b, 1))
         lens = np.zeros(b, dtype=np.int64)
         tree_m = np.tile(np.eye(w, dtype=bool), (b, 1, 1))
         longest = 0
-        for slot, (seq, tree) in by_slot.items():
-            n0 = seq.cache.length
-            tokens[slot, : tree.size] = tree.tokens
-            pos[slot, : tree.size] = n0 + np.asarray(tree.depths)
+        for i, seq in enumerate(seqs):
+            slot, n0 = seq.cache.slot, seq.cache.length
+            if not on_device:
+                tree = drafted[i]
+                tokens[slot, : tree.size] = tree.tokens
+                pos[slot, : tree.size] = n0 + np.asarray(tree.depths)
+                tree_m[slot] = ancestor_mask(tree, w)
             wpos[slot] = n0 + np.arange(w)
             lens[slot] = n0
-            tree_m[slot] = ancestor_mask(tree, w)
             longest = max(longest, n0 + w)
-            seq.cache.reserve(tree.size)
+            seq.cache.reserve(sizes[i])
         ctx = self.target.ctx_bucket(longest)
         packed = pack_target(tokens, pos, wpos, lens, np.arange(b), tree_m)
         t2 = time.perf_counter()
-        logits, top, taps = self.target.forward(packed, b, w, ctx, True)
+        dev_trees = (drafted.tokens, drafted.positions, drafted.mask) if on_device else None
+        logits, top, taps = self.target.forward(packed, b, w, ctx, True, dev_trees)
         biased_greedy = [
-            (seq.cache.slot * w, tree.size, seq.bias)
-            for seq, tree in zip(seqs, trees, strict=True)
+            (seq.cache.slot * w, n, seq.bias)
+            for seq, n in zip(seqs, sizes, strict=True)
             if seq.bias is not None and seq.sampling.greedy
         ]
         if biased_greedy:  # their argmax under the bias, into the same copy
             top = top.clone()
             for r0, n, bias in biased_greedy:
                 top[0, r0 : r0 + n] = (logits[r0 : r0 + n] + bias).argmax(-1)
-        top = top.cpu().numpy()  # the one sync of the verify
+        if on_device:  # the trees come back with the verify's argmax: still one sync
+            both = torch.cat([top, *drafted.for_host(b * w)]).cpu().numpy()
+            top = both[:2]
+            trees = [drafted.tree(both[2:], seq.cache.slot * w, w) for seq in seqs]
+        else:
+            top, trees = top.cpu().numpy(), drafted  # the one sync of the verify
         t3 = time.perf_counter()
         # decide every sequence's path first (no state changes: a failure here is its own)
         decided: list[tuple[list[int], int] | Exception] = []
@@ -487,7 +520,14 @@ class StaticEngine:
             return None
         return self.drafter.draft(seq.draft_state, DraftContext(seq.tokens, params.window), depth)
 
-    def _draft_trees(self, seqs: list[Sequence], params: LiveParams) -> list[Tree]:
+    def tree_width(self, budget: int, topk: int, depth: int | None = None) -> tuple[int, int]:
+        """(verify width, most nodes + 1) of the trees a round of these parameters builds."""
+        if depth is None:
+            depth = min(self.depth, budget, self.sdraft.block if self.sdraft else budget)
+        bound = size_bound(budget, depth, topk) + 1
+        return next_bucket(bound, 2, 1 << 30), bound
+
+    def _draft_trees(self, seqs: list[Sequence], params: LiveParams) -> list[Tree] | DeviceTrees:
         t0 = time.perf_counter()
         depth = min(self.depth, params.budget)
         if self.sdraft is None or depth <= 0:
@@ -519,9 +559,16 @@ class StaticEngine:
             bwpos[s] = bpos[s] = root_pos + np.arange(q)
             lens[s], window[s] = root_pos, params.window
             longest = max(longest, root_pos + q)
-        topk = next_bucket(params.topk, 1, MAX_TOPK)
-        key = (b, depth, self.target.ctx_bucket(longest), topk)
-        top = sd.forward(pack_draft(cwpos, root, bwpos, bpos, lens, window), key).cpu().numpy()
+        packed = pack_draft(cwpos, root, bwpos, bpos, lens, window)
+        ctx = self.target.ctx_bucket(longest)
+        if self.device_tree:  # the trees on the GPU, left there for the verify
+            width, bound = self.tree_width(params.budget, params.topk, depth)
+            key = (b, depth, ctx, params.topk, params.budget, width)
+            out = sd.forward(packed, key)
+            self.timing["draft_s"] += time.perf_counter() - t0
+            return DeviceTrees(*out, width, bound)
+        key = (b, depth, ctx, next_bucket(params.topk, 1, MAX_TOPK))
+        top = sd.forward(packed, key).cpu().numpy()
         t1 = time.perf_counter()
         trees = []
         k = params.topk

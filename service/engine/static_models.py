@@ -19,7 +19,14 @@ import torch
 from ddserve.config.engine import MAX_BUDGET
 from ddserve.engine.attention import CAUSAL, FULL, TREE, plan
 from ddserve.engine.llama import Llama, apply_rope, linear
-from ddserve.engine.static import GraphCache, KVPool, fuse_weights, layer_step, next_bucket
+from ddserve.engine.static import (
+    GraphCache,
+    KVPool,
+    Staging,
+    fuse_weights,
+    layer_step,
+    next_bucket,
+)
 
 # scratch entries at the end of every slot: the widest forward (a tree of MAX_BUDGET nodes
 # plus its root, rounded up to a power of two) writes its padding there
@@ -67,6 +74,7 @@ class StaticTarget:
         self.capture = capture
         self.graphs = GraphCache(graphs, "target")
         self.inputs: dict[tuple, torch.Tensor] = {}
+        self.staging = Staging()
 
     def ctx_bucket(self, longest: int) -> int:
         """Keys attended per row: a power of two >= the longest committed + new entries
@@ -76,14 +84,24 @@ class StaticTarget:
         return next_bucket(longest, lo, self.pool.max_len)
 
     @torch.inference_mode()
-    def forward(self, packed: np.ndarray, b: int, w: int, ctx: int, rows_are_slots: bool):
+    def forward(
+        self, packed: np.ndarray, b: int, w: int, ctx: int, rows_are_slots: bool, trees=None
+    ):
+        """`trees`: (tokens, positions [B, W], mask [B, W, W]) on the device, built there
+        (StaticDFlash): they replace the packed ones, device to device, with no sync."""
         key = (rows_are_slots, b, w, ctx)
         inp = self.inputs.get(key)
         if inp is None:
             inp = self.inputs[key] = torch.zeros(
                 packed.size, dtype=torch.long, device=self.model.device
             )
-        inp.copy_(torch.from_numpy(packed))
+        self.staging.copy(inp, packed)
+        if trees is not None:
+            n = b * w
+            tok, pos, mask = trees
+            inp[:n].copy_(tok.view(-1))
+            inp[n : 2 * n].copy_(pos.view(-1))
+            inp[3 * n + 2 * b :].copy_(mask.view(-1))
         return self.graphs.run(key, lambda: self._forward(inp, key))
 
     def _forward(self, inp: torch.Tensor, key: tuple):
@@ -138,7 +156,9 @@ class StaticDFlash:
     """A DFlash drafter over its own KV pool (its context keys/values, one slot per request,
     slots shared with the target's). One call: write the keys/values of the newly committed
     tokens' features, then run the block [root, MASK x D] of every row; returns the top
-    log-probs and token ids per depth [2, B, D, K] (float64). Key: (B, D, ctx, K)."""
+    log-probs and token ids per depth [2, B, D, K] (float64), key (B, D, ctx, K); or, with key
+    (B, D, ctx, K, budget, W), each row's tree built on the GPU from its top K per depth
+    (ddserve.engine.tree_triton.build_trees: tokens, positions, parents, weights, mask)."""
 
     def __init__(
         self,
@@ -166,6 +186,7 @@ class StaticDFlash:
         )
         self.graphs = GraphCache(graphs, "dflash")
         self.inputs: dict[tuple, torch.Tensor] = {}
+        self.staging = Staging()
         # tapped target outputs of each slot's newly committed tokens, copied here right
         # after the verify that produced them; the next draft writes their keys/values
         t = drafter.target
@@ -180,7 +201,7 @@ class StaticDFlash:
         b = cwpos.shape[0]
         key = ("ctx", b)
         inp = self._inputs(key)
-        inp.copy_(torch.from_numpy(cwpos.ravel()))
+        self.staging.copy(inp, cwpos.ravel())
 
         def fn():  # every tensor the graph reads is made inside it or lives on (no temporaries)
             rows = torch.arange(b, device=inp.device)
@@ -223,11 +244,11 @@ class StaticDFlash:
     @torch.inference_mode()
     def forward(self, packed: np.ndarray, key: tuple):
         inp = self._inputs(key)
-        inp.copy_(torch.from_numpy(packed))
+        self.staging.copy(inp, packed)
         return self.graphs.run(key, lambda: self._forward(key))
 
     def _forward(self, key: tuple):
-        b, depth, ctx, topk = key
+        b, depth, ctx, topk = key[:4]
         inp = self._inputs(key)
         net, c, t = self.d.net, self.c, self.d.target
         wn, q = self.new_rows, depth + 1
@@ -259,7 +280,13 @@ class StaticDFlash:
         logp = torch.log_softmax(linear(hidden, self.d.head).float(), dim=-1)
         vals, idx = torch.topk(logp, min(topk, logp.shape[-1]), dim=-1)
         ids = idx if self.vocab is None else self.vocab[idx]
-        return torch.stack([vals.double(), ids.double()]).view(2, b, depth, -1)
+        if len(key) == 4:  # the top-k to the host, which builds the trees
+            return torch.stack([vals.double(), ids.double()]).view(2, b, depth, -1)
+        from ddserve.engine.tree_triton import build_trees  # where triton is
+
+        budget, width = key[4:]  # the trees here, as the verify's inputs
+        lp, ids = vals.double().view(b, depth, -1), ids.view(b, depth, -1)
+        return build_trees(lp, ids, root, lens, budget, topk, width)
 
 
 def pack_draft(cwpos, root, bwpos, bpos, lens, window) -> np.ndarray:

@@ -30,12 +30,72 @@ class Tree:
     def size(self) -> int:
         return len(self.tokens)
 
+    @classmethod
+    def from_parents(cls, tokens, parents, logws) -> Tree:
+        """A tree from per-node arrays in creation order (ddserve.engine.tree_triton's
+        output): nodes up to the first padding row (parent -2); a parent's children come in
+        the order they were made (descending weight), as `build_tree_top` links them."""
+        parents = list(parents)
+        n = parents.index(-2) if -2 in parents else len(parents)
+        tree = cls(list(tokens[:n]), parents[:n], [0] * n, list(logws[:n]), [-1] * n, [-1] * n)
+        last = [-1] * n
+        for i in range(1, n):
+            p = parents[i]
+            tree.depths[i] = tree.depths[p] + 1
+            if last[p] == -1:
+                tree.first_child[p] = i
+            else:
+                tree.next_sibling[last[p]] = i
+            last[p] = i
+        return tree
+
     def children(self, node: int) -> list[int]:
         out, c = [], self.first_child[node]
         while c != -1:
             out.append(c)
             c = self.next_sibling[c]
         return out
+
+
+@dataclass
+class DeviceTrees:
+    """A round's trees built on the GPU (ddserve.engine.tree_triton), one row per KV slot:
+    the verify reads tokens, positions and mask there; parents and weights come back to the
+    host with the verify's argmax (one copy) and become `Tree`s for the accept walk."""
+
+    tokens: torch.Tensor  # [B, W] int64
+    positions: torch.Tensor  # [B, W] int64  committed length + depth
+    parents: torch.Tensor  # [B, W] int64  -1 root, -2 padding
+    weights: torch.Tensor  # [B, W] float64  node_logws
+    mask: torch.Tensor  # [B, W, W] int64  ancestor mask
+    width: int  # W
+    bound: int  # the most nodes (root included) any of the trees has
+
+    def for_host(self, n: int) -> list[torch.Tensor]:
+        """Tokens, parents and weights (bits as int64) as [1, n] rows to stack and copy."""
+        return [
+            t.reshape(1, n) for t in (self.tokens, self.parents, self.weights.view(torch.int64))
+        ]
+
+    @staticmethod
+    def tree(rows: np.ndarray, r0: int, w: int) -> Tree:
+        """The tree of the slot whose nodes are columns r0..r0+w of the copied rows."""
+        cols = slice(r0, r0 + w)
+        return Tree.from_parents(
+            rows[0, cols].tolist(), rows[1, cols].tolist(), rows[2, cols].view(np.float64).tolist()
+        )
+
+
+def size_bound(budget: int, depth: int, k: int) -> int:
+    """The most draft nodes a tree of `budget` over `depth` positions of `k` candidates has
+    (every log-prob finite: exactly that many)."""
+    total, level = 0, 1
+    for _ in range(depth):
+        level *= k
+        total += level
+        if total >= budget:
+            return budget
+    return total
 
 
 def build_tree(root_token: int, logprobs: torch.Tensor | None, budget: int, topk: int) -> Tree:
@@ -65,8 +125,8 @@ def build_tree_top(
     def push(depth: int, rank: int, parent: int) -> None:
         nonlocal tie
         lp = top_lp[depth - 1][rank]
-        if lp == float("-inf"):
-            return  # the drafter has no candidate of this rank at this depth
+        if not lp > float("-inf"):
+            return  # the drafter has no candidate of this rank at this depth (-inf, NaN)
         heapq.heappush(heap, (-(tree.node_logws[parent] + lp), tie, depth, rank, parent))
         tie += 1
 
