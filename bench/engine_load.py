@@ -5,9 +5,13 @@
         [--max-tokens 128] [--temperature 0] [--prompt-set chat] [--name engine_load]
         [--compile auto|on|off] [--spec-max-batch N]
 
-A config name may end in `@adaptive` (dflash-b16k4@adaptive): the same engine with
---speculative-adaptive (its budget is the ceiling); its row records the budgets its rounds
-used per level and the policy's estimates (tok/s per request per budget and batch bucket).
+A config name may end in modes after `@`: `@adaptive` (dflash-b16k4@adaptive) is the same
+engine with --speculative-adaptive (its budget is the ceiling); its row records the budgets
+its rounds used per level and the policy's estimates (tok/s per request per budget and batch
+bucket). `@hosttree` builds DFlash trees on the host (the engine before the GPU tree build:
+top-k copied back, heap in Python) to compare with the default. `--dflash-path DIR` drafts
+with another trained DFlash drafter. On CUDA, DFlash rows also give the GPU time of a
+drafting round's draft + tree (CUDA events around the draft call) and the wall time per round.
 
 The worker the server runs (admission by free KV slots, prefill, one verify per round for
 every active request) driven by C asyncio clients, fixed output length (ignore_eos), the
@@ -60,29 +64,57 @@ async def one(runner: EngineRunner, prompt: list[int], sampling: SamplingParams)
     return RequestResult(True, first - t0, time.perf_counter() - t0, tokens, gaps, stats.tau)
 
 
+MODES = ("adaptive", "hosttree")
+
+
+def draft_timer(engine) -> list | None:
+    """CUDA events around every DFlash draft call (context write, block forward, tree build):
+    [(start, end, rows)], read after a sync; None off CUDA or without DFlash."""
+    sd = getattr(engine, "sdraft", None)
+    if sd is None or not torch.cuda.is_available():
+        return None
+    events, forward = [], sd.forward
+
+    def timed(packed, key):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        out = forward(packed, key)
+        end.record()
+        events.append((start, end))
+        return out
+
+    sd.forward = timed
+    return events
+
+
 def run_config(lm, name, a, prompts, levels) -> dict:
-    base, _, mode = name.partition("@")
+    base, *modes = name.split("@")
     kind, budget, topk = REGISTRY[base]
     cfg = EngineConfig(
-        speculative_adaptive=mode == "adaptive",
+        speculative_adaptive="adaptive" in modes,
         model=a.model,
         device=a.device,
         max_batch=max(levels),
         graphs=a.graphs,
         compile=a.compile,
         spec_max_batch=a.spec_max_batch,
-        drafter={"kind": kind},
+        drafter={"kind": kind, "dflash_path": a.dflash_path if kind == "dflash" else None},
         params={"budget": budget, "topk": topk, "temperature": a.temperature},
     )
     runner = EngineRunner(cfg, loaded=lm)
     t0 = time.perf_counter()
     runner.start()
+    if "hosttree" in modes:
+        runner.engine.device_tree = False
     row = {
         "config": name,
         "engine": type(runner.engine).__name__,
+        "device_tree": getattr(runner.engine, "device_tree", False),
+        "dflash_path": cfg.drafter.dflash_path,
         "ready_s": round(time.perf_counter() - t0, 2),
         "levels": [],
     }
+    events = draft_timer(runner.engine)
     budgets: dict[int, int] = {}
     if runner.policy is not None:  # count the budgets the rounds use
         choose = runner.policy.choose
@@ -103,13 +135,23 @@ def run_config(lm, name, a, prompts, levels) -> dict:
             )
             return await one(runner, prompts[i % len(prompts)], s)
 
+        if events is not None:
+            events.clear()
+        w0 = time.perf_counter()
         lv = asyncio.run(closed_loop(send, c, max(a.requests, 2 * c), c))
+        wall = time.perf_counter() - w0
         lv.pop("tau_per_request")
         tm = getattr(runner.engine, "timing", None)
         if tm:
             rounds = max(1, tm["rounds"] - timing0["rounds"])
             for k in ("draft_s", "tree_s", "verify_s", "accept_s"):
                 lv[k.replace("_s", "_ms_per_round")] = round((tm[k] - timing0[k]) / rounds * 1e3, 3)
+            lv["wall_ms_per_round"] = round(wall / rounds * 1e3, 3)  # warm-up requests included
+        if events:
+            torch.cuda.synchronize()
+            gpu = [s.elapsed_time(e) for s, e in events]
+            lv["draft_rounds"] = len(gpu)
+            lv["draft_gpu_ms_per_draft_round"] = round(sum(gpu) / len(gpu), 4)
         if runner.policy is not None:
             lv["round_budgets"] = dict(sorted(budgets.items()))
         row["levels"].append(lv)
@@ -135,6 +177,7 @@ def main() -> None:
     ap.add_argument("--graphs", default="auto", choices=["auto", "on", "off"])
     ap.add_argument("--compile", default="auto", choices=["auto", "on", "off"])
     ap.add_argument("--spec-max-batch", type=int, default=None, help="engine.spec_max_batch")
+    ap.add_argument("--dflash-path", default=None, help="a trained DFlash drafter directory")
     ap.add_argument("--configs", default="ar,dflash-b3k1")
     ap.add_argument("--concurrency", default="1,4,16,64")
     ap.add_argument(
@@ -151,9 +194,9 @@ def main() -> None:
     bad = [
         c
         for c in configs
-        if (b := c.partition("@"))[0] not in REGISTRY
+        if (b := c.split("@"))[0] not in REGISTRY
         or REGISTRY[b[0]][0] == "dflash-fullvocab"
-        or b[2] not in ("", "adaptive")
+        or not set(b[1:]) <= set(MODES)
     ]
     if bad:
         sys.exit(f"unknown config {bad[0]!r}; known: {', '.join(REGISTRY)}")

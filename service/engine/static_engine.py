@@ -23,6 +23,8 @@ token for token is tests/engine/reference.py), over static state:
     path's rows (root + accepted nodes: the rows the emitted tokens were chosen at), only
     for requests that ask, one device->host copy per round for all of them
 
+Prefill and warm-up live in ddserve.engine.static_prefill, the draft step in
+ddserve.engine.static_draft (mixins of StaticEngine); this module is the round itself.
 CUDA graphs only where CUDA is (`torch.compile` of the decoder layer when asked); on CPU the
 same code runs eagerly. Host work per round (tree build, accept walk, packing inputs) is
 timed in `self.timing`. Drafters other than DFlash (n-gram lookup, a draft model, the
@@ -40,10 +42,10 @@ import time
 import numpy as np
 import torch
 
-from ddserve.config.engine import MAX_TOPK, LiveParams
+from ddserve.config.engine import LiveParams
 from ddserve.engine.attention import backend as attention_backend
 from ddserve.engine.dflash import DFlashDrafter
-from ddserve.engine.drafters import DraftContext, Drafter
+from ddserve.engine.drafters import Drafter
 from ddserve.engine.llama import Llama
 from ddserve.engine.sampling import (
     Logprobs,
@@ -61,41 +63,25 @@ from ddserve.engine.static import (
     layer_step,
     next_bucket,
 )
+from ddserve.engine.static_draft import Drafting
 from ddserve.engine.static_models import (
     StaticDFlash,
     StaticTarget,
-    pack_draft,
     pack_target,
     pool_length,
 )
+from ddserve.engine.static_prefill import PREFILL_CHUNKS, PREFILL_CHUNKS_LONG, Prefill
 from ddserve.engine.tree import (
     DeviceTrees,
-    Tree,
     accept,
     ancestor_mask,
-    build_tree,
-    build_tree_top,
-    size_bound,
 )
 from ddserve.errors import EngineError
 
 log = logging.getLogger(__name__)
 
-PREFILL_CHUNKS = (16, 64, 256)  # prompt chunk widths, sdpa (it reads a padded key range)
-PREFILL_CHUNKS_LONG = (16, 64, 256, 1024, 2048)  # with the triton kernel
-PREFILL_ROWS = 8  # prompts prefilled together in one forward
 
-
-def bucket_sizes(hi: int) -> list[int]:
-    """Batch sizes graphs are captured for: powers of two below `hi`, and `hi`."""
-    out, b = [], 1
-    while b < hi:
-        out.append(b)
-        b *= 2
-    return [*out, hi]
-
-
-class StaticEngine:
+class StaticEngine(Prefill, Drafting):
     """The algorithm over one target model and one drafter; no threads, no I/O. `slots`
     requests at a time, each up to `max_context` tokens; `graphs` applies only on CUDA,
     `compile` wherever asked (the runner asks on CUDA)."""
@@ -178,67 +164,6 @@ class StaticEngine:
             )  # fmt: skip
         return n
 
-    @torch.inference_mode()
-    def warm_up(self, params: LiveParams, contexts=(128, 256, 512), budgets=None) -> float:
-        """Capture the graphs the current parameters use (every batch bucket, AR and tree
-        widths, short contexts, the prefill chunks) with inputs that touch only guard
-        entries; `budgets`: every budget rounds may use (adaptive speculation), by default
-        the live one. Longer contexts and other widths are captured on first use."""
-        if not self.target.graphs.enabled:
-            return 0.0
-        t0 = time.perf_counter()
-        ml = self.pool.max_len
-        budgets = sorted(set(budgets or [params.budget]))
-        ctxs = sorted({self.target.ctx_bucket(c) for c in contexts})
-        widths = sorted({2} | {self.tree_width(b, params.topk)[0] for b in budgets})
-        for b in bucket_sizes(self.pool.slots):
-            for w in widths:
-                for ctx in ctxs:
-                    if ctx < w:
-                        continue
-                    guard = np.tile(np.arange(ml - w, ml), (b, 1))
-                    tree = np.tile(np.eye(w, dtype=bool), (b, 1, 1))
-                    zeros = np.zeros((b, w), dtype=np.int64)
-                    packed = pack_target(
-                        zeros, zeros, guard, np.zeros(b, np.int64), np.arange(b), tree
-                    )
-                    self.target.forward(packed, b, w, ctx, True)
-        for b in bucket_sizes(PREFILL_ROWS):
-            for w in self.chunks:
-                for ctx in ctxs:
-                    if ctx >= w:
-                        guard = np.tile(np.arange(ml - w, ml), (b, 1))
-                        zeros = np.zeros(b, np.int64)
-                        toks = np.zeros((b, w), np.int64)
-                        packed = pack_target(toks, guard, guard, zeros, zeros)
-                        self.target.forward(packed, b, w, ctx, False)
-        if self.sdraft is not None:  # context-only rounds (budget 0)
-            wn = self.sdraft.new_rows
-            for b in bucket_sizes(self.pool.slots):
-                self.sdraft.write_only(np.tile(np.arange(ml - wn, ml), (b, 1)))
-        keys = set()  # the draft graphs' keys but batch size and context
-        for budget in budgets if self.sdraft is not None else ():
-            depth = min(self.depth, self.sdraft.block, budget)
-            if depth > 0 and self.device_tree:
-                keys.add((depth, params.topk, budget, self.tree_width(budget, params.topk)[0]))
-            elif depth > 0:
-                keys.add((depth, next_bucket(params.topk, 1, MAX_TOPK)))
-        for depth, *rest in sorted(keys):
-            q, wn = depth + 1, self.sdraft.new_rows
-            for b in bucket_sizes(self.pool.slots):
-                for ctx in ctxs:
-                    packed = pack_draft(
-                        np.tile(np.arange(ml - wn, ml), (b, 1)),
-                        np.zeros(b, np.int64),
-                        np.tile(np.arange(ml - q, ml), (b, 1)),
-                        np.zeros((b, q), np.int64),
-                        np.zeros(b, np.int64),
-                        np.full(b, ml, np.int64),
-                    )
-                    self.sdraft.forward(packed, (b, depth, ctx, *rest))
-        torch.cuda.synchronize()
-        return time.perf_counter() - t0
-
     @property
     def graph_count(self) -> int:
         n = len(self.target.graphs.graphs)
@@ -275,69 +200,6 @@ class StaticEngine:
         if isinstance(seq.cache, SlotCache):
             self.pool.release(seq.cache.slot)
             seq.cache = None
-
-    def prefill(self, seq: Sequence) -> None:
-        self.prefill_batch([seq])
-
-    @staticmethod
-    def prefilled(seq: Sequence) -> bool:
-        """Whether a sequence's prompt (all but its last token) is in its KV slot."""
-        return seq.cache.length >= len(seq.tokens) - 1
-
-    @torch.inference_mode()
-    def prefill_batch(self, seqs: list[Sequence], max_tokens: int | None = None) -> None:
-        """Prefill the prompts (all but their last token) of up to PREFILL_ROWS requests per
-        forward, in chunks of fixed widths; each row reads and writes its own slot. With
-        `max_tokens`, chunks are at most that wide and the call stops once that many prompt
-        tokens went in (the last forward may pass it by a chunk per row); a later call goes on
-        where this one stopped (`prefilled` says when a prompt is in)."""
-        spent = 0
-        for at in range(0, len(seqs), PREFILL_ROWS):
-            left = None if max_tokens is None else max_tokens - spent
-            if left is not None and left <= 0:
-                break
-            spent += self._prefill_rows(seqs[at : at + PREFILL_ROWS], left)
-
-    def _prefill_rows(self, seqs: list[Sequence], max_tokens: int | None) -> int:
-        t0 = time.perf_counter()
-        heads = [seq.tokens[:-1] for seq in seqs]
-        ml = self.pool.max_len
-        spent = 0
-        while max_tokens is None or spent < max_tokens:
-            todo = [i for i, h in enumerate(heads) if seqs[i].cache.length < len(h)]
-            if not todo:
-                break
-            cap = self.chunks[-1]
-            if max_tokens is not None:  # the widest chunk within what is left of the budget
-                cap = max([c for c in self.chunks if c <= max_tokens - spent] or [self.chunks[0]])
-            n_max = max(min(len(heads[i]) - seqs[i].cache.length, cap) for i in todo)
-            w = next(c for c in self.chunks if c >= n_max)
-            b = next_bucket(len(todo), 1, PREFILL_ROWS)
-            toks = np.zeros((b, w), dtype=np.int64)
-            pos = np.tile(np.arange(ml - w, ml), (b, 1))  # rows that only fill the shape
-            lens, rows = np.zeros(b, dtype=np.int64), np.zeros(b, dtype=np.int64)
-            takes, longest = [], 0
-            for r, i in enumerate(todo):
-                at = seqs[i].cache.length
-                n = min(len(heads[i]) - at, w)
-                toks[r, :n] = heads[i][at : at + n]
-                # the chunk's padding past the prompt may run beyond the pool: clamp it to the
-                # last (guard) entry; no real token sees it (causal), and it is never kept
-                pos[r] = np.minimum(at + np.arange(w), ml - 1)
-                lens[r], rows[r] = at, seqs[i].cache.slot
-                takes.append((r, i, n))
-                longest = max(longest, at + w)
-            packed = pack_target(toks, pos, pos, lens, rows)  # causal: no tree
-            _, _, taps = self.target.forward(packed, b, w, self.target.ctx_bucket(longest), False)
-            for r, i, n in takes:
-                if taps is not None:
-                    seqs[i].hidden_new.append(taps[r * w : r * w + n].clone())
-                seqs[i].cache.length += n
-                spent += n
-        elapsed = time.perf_counter() - t0
-        for seq in seqs:
-            seq.stats.prefill_s += elapsed
-        return spent
 
     def generate(self, prompt: list[int], sampling: SamplingParams, params: LiveParams) -> Sequence:
         """Run one request to completion (tests, benchmarks; the server uses `step_batch`)."""
@@ -512,94 +374,3 @@ class StaticEngine:
             st.completion_tokens += len(new)
             st.accept_lengths.append(len(new))
         return out
-
-    def draft(self, seq: Sequence, params: LiveParams) -> torch.Tensor | None:
-        """Per-depth log-probs [L, V] from a drafter that drafts on its own (not DFlash)."""
-        depth = min(self.depth, params.budget)
-        if depth <= 0:
-            return None
-        return self.drafter.draft(seq.draft_state, DraftContext(seq.tokens, params.window), depth)
-
-    def tree_width(self, budget: int, topk: int, depth: int | None = None) -> tuple[int, int]:
-        """(verify width, most nodes + 1) of the trees a round of these parameters builds."""
-        if depth is None:
-            depth = min(self.depth, budget, self.sdraft.block if self.sdraft else budget)
-        bound = size_bound(budget, depth, topk) + 1
-        return next_bucket(bound, 2, 1 << 30), bound
-
-    def _draft_trees(self, seqs: list[Sequence], params: LiveParams) -> list[Tree] | DeviceTrees:
-        t0 = time.perf_counter()
-        depth = min(self.depth, params.budget)
-        if self.sdraft is None or depth <= 0:
-            # budget 0: the drafter's context write waits until a sequence's feature rows
-            # would not hold another round's root (or the next draft writes them)
-            if self.sdraft is not None and any(s.pending >= self.sdraft.new_rows for s in seqs):
-                b = next_bucket(self.pool.used_rows, 1, self.pool.slots)
-                self.sdraft.write_only(self._feed_context(seqs, b))
-            trees = [
-                build_tree(seq.tokens[-1], self.draft(seq, params), params.budget, params.topk)
-                for seq in seqs
-            ]
-            self.timing["draft_s"] += time.perf_counter() - t0
-            return trees
-        sd = self.sdraft
-        depth = min(depth, sd.block)
-        b = next_bucket(self.pool.used_rows, 1, self.pool.slots)
-        q, ml = depth + 1, self.pool.max_len
-        cwpos = self._feed_context(seqs, b)
-        root = np.zeros(b, dtype=np.int64)
-        bwpos = np.tile(np.arange(ml - q, ml), (b, 1))
-        bpos = np.zeros((b, q), dtype=np.int64)
-        lens = np.zeros(b, dtype=np.int64)
-        window = np.full(b, ml, dtype=np.int64)
-        longest = 0
-        for seq in seqs:
-            s, root_pos = seq.cache.slot, seq.draft_state
-            root[s] = seq.tokens[-1]
-            bwpos[s] = bpos[s] = root_pos + np.arange(q)
-            lens[s], window[s] = root_pos, params.window
-            longest = max(longest, root_pos + q)
-        packed = pack_draft(cwpos, root, bwpos, bpos, lens, window)
-        ctx = self.target.ctx_bucket(longest)
-        if self.device_tree:  # the trees on the GPU, left there for the verify
-            width, bound = self.tree_width(params.budget, params.topk, depth)
-            key = (b, depth, ctx, params.topk, params.budget, width)
-            out = sd.forward(packed, key)
-            self.timing["draft_s"] += time.perf_counter() - t0
-            return DeviceTrees(*out, width, bound)
-        key = (b, depth, ctx, next_bucket(params.topk, 1, MAX_TOPK))
-        top = sd.forward(packed, key).cpu().numpy()
-        t1 = time.perf_counter()
-        trees = []
-        k = params.topk
-        for seq in seqs:
-            s = seq.cache.slot
-            lp, ids = top[0, s, :, :k], top[1, s, :, :k].astype(np.int64)
-            trees.append(build_tree_top(seq.tokens[-1], lp.tolist(), ids.tolist(), params.budget))
-        self.timing["draft_s"] += t1 - t0
-        self.timing["tree_s"] += time.perf_counter() - t1
-        return trees
-
-    def _feed_context(self, seqs: list[Sequence], b: int) -> np.ndarray:
-        """Where each sequence's pending feature rows go in the drafter's pool (context write
-        positions [B, new_rows], unused rows to the guard entries); advances draft_state."""
-        wn, ml = self.sdraft.new_rows, self.pool.max_len
-        cwpos = np.tile(np.arange(ml - wn, ml), (b, 1))
-        for seq in seqs:
-            self._catch_up(seq)
-            s, start, n = seq.cache.slot, seq.draft_state, seq.pending
-            cwpos[s, :n] = start + np.arange(n)
-            seq.draft_state, seq.pending = start + n, 0
-            if seq.draft_state != len(seq.tokens) - 1:
-                raise EngineError(
-                    f"DFlash context covers {seq.draft_state} tokens, expected {len(seq.tokens) - 1}"
-                )
-        return cwpos
-
-    def _catch_up(self, seq: Sequence) -> None:
-        """A prompt's context rows (more than one round's), written eagerly after prefill."""
-        if seq.hidden_new:
-            taps = torch.cat(seq.hidden_new)
-            seq.hidden_new.clear()
-            self.sdraft.extend(seq.cache.slot, seq.draft_state, taps)
-            seq.draft_state += taps.shape[0]

@@ -1,0 +1,122 @@
+"""The draft step of the static engine's round (ddserve.engine.static_engine): each
+sequence's tree for the verify.
+
+  * DFlash: one batched forward over the drafter's pool writes the newly committed tokens'
+    context entries and drafts every row's block; the trees are built on the GPU
+    (ddserve.engine.tree_triton) and stay there for the verify, or on the host from the
+    copied top-k (`build_tree_top`)
+  * budget 0 with DFlash: no draft; the context write waits until a slot's feature rows are
+    full (they hold one round's root + accepted path, or many budget-0 roots)
+  * other drafters draft on their own (`draft`: per-depth log-probs), trees on the host
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+
+from ddserve.config.engine import MAX_TOPK, LiveParams
+from ddserve.engine.drafters import DraftContext
+from ddserve.engine.sequence import Sequence
+from ddserve.engine.static import next_bucket
+from ddserve.engine.static_models import pack_draft
+from ddserve.engine.tree import DeviceTrees, Tree, build_tree, build_tree_top, size_bound
+from ddserve.errors import EngineError
+
+
+class Drafting:
+    """StaticEngine's draft step (a mixin: it reads the engine's pool, target, drafter,
+    DFlash state and timing)."""
+
+    def draft(self, seq: Sequence, params: LiveParams) -> torch.Tensor | None:
+        """Per-depth log-probs [L, V] from a drafter that drafts on its own (not DFlash)."""
+        depth = min(self.depth, params.budget)
+        if depth <= 0:
+            return None
+        return self.drafter.draft(seq.draft_state, DraftContext(seq.tokens, params.window), depth)
+
+    def tree_width(self, budget: int, topk: int, depth: int | None = None) -> tuple[int, int]:
+        """(verify width, most nodes + 1) of the trees a round of these parameters builds."""
+        if depth is None:
+            depth = min(self.depth, budget, self.sdraft.block if self.sdraft else budget)
+        bound = size_bound(budget, depth, topk) + 1
+        return next_bucket(bound, 2, 1 << 30), bound
+
+    def _draft_trees(self, seqs: list[Sequence], params: LiveParams) -> list[Tree] | DeviceTrees:
+        t0 = time.perf_counter()
+        depth = min(self.depth, params.budget)
+        if self.sdraft is None or depth <= 0:
+            # budget 0: the drafter's context write waits until a sequence's feature rows
+            # would not hold another round's root (or the next draft writes them)
+            if self.sdraft is not None and any(s.pending >= self.sdraft.new_rows for s in seqs):
+                b = next_bucket(self.pool.used_rows, 1, self.pool.slots)
+                self.sdraft.write_only(self._feed_context(seqs, b))
+            trees = [
+                build_tree(seq.tokens[-1], self.draft(seq, params), params.budget, params.topk)
+                for seq in seqs
+            ]
+            self.timing["draft_s"] += time.perf_counter() - t0
+            return trees
+        sd = self.sdraft
+        depth = min(depth, sd.block)
+        b = next_bucket(self.pool.used_rows, 1, self.pool.slots)
+        q, ml = depth + 1, self.pool.max_len
+        cwpos = self._feed_context(seqs, b)
+        root = np.zeros(b, dtype=np.int64)
+        bwpos = np.tile(np.arange(ml - q, ml), (b, 1))
+        bpos = np.zeros((b, q), dtype=np.int64)
+        lens = np.zeros(b, dtype=np.int64)
+        window = np.full(b, ml, dtype=np.int64)
+        longest = 0
+        for seq in seqs:
+            s, root_pos = seq.cache.slot, seq.draft_state
+            root[s] = seq.tokens[-1]
+            bwpos[s] = bpos[s] = root_pos + np.arange(q)
+            lens[s], window[s] = root_pos, params.window
+            longest = max(longest, root_pos + q)
+        packed = pack_draft(cwpos, root, bwpos, bpos, lens, window)
+        ctx = self.target.ctx_bucket(longest)
+        if self.device_tree:  # the trees on the GPU, left there for the verify
+            width, bound = self.tree_width(params.budget, params.topk, depth)
+            key = (b, depth, ctx, params.topk, params.budget, width)
+            out = sd.forward(packed, key)
+            self.timing["draft_s"] += time.perf_counter() - t0
+            return DeviceTrees(*out, width, bound)
+        key = (b, depth, ctx, next_bucket(params.topk, 1, MAX_TOPK))
+        top = sd.forward(packed, key).cpu().numpy()
+        t1 = time.perf_counter()
+        trees = []
+        k = params.topk
+        for seq in seqs:
+            s = seq.cache.slot
+            lp, ids = top[0, s, :, :k], top[1, s, :, :k].astype(np.int64)
+            trees.append(build_tree_top(seq.tokens[-1], lp.tolist(), ids.tolist(), params.budget))
+        self.timing["draft_s"] += t1 - t0
+        self.timing["tree_s"] += time.perf_counter() - t1
+        return trees
+
+    def _feed_context(self, seqs: list[Sequence], b: int) -> np.ndarray:
+        """Where each sequence's pending feature rows go in the drafter's pool (context write
+        positions [B, new_rows], unused rows to the guard entries); advances draft_state."""
+        wn, ml = self.sdraft.new_rows, self.pool.max_len
+        cwpos = np.tile(np.arange(ml - wn, ml), (b, 1))
+        for seq in seqs:
+            self._catch_up(seq)
+            s, start, n = seq.cache.slot, seq.draft_state, seq.pending
+            cwpos[s, :n] = start + np.arange(n)
+            seq.draft_state, seq.pending = start + n, 0
+            if seq.draft_state != len(seq.tokens) - 1:
+                raise EngineError(
+                    f"DFlash context covers {seq.draft_state} tokens, expected {len(seq.tokens) - 1}"
+                )
+        return cwpos
+
+    def _catch_up(self, seq: Sequence) -> None:
+        """A prompt's context rows (more than one round's), written eagerly after prefill."""
+        if seq.hidden_new:
+            taps = torch.cat(seq.hidden_new)
+            seq.hidden_new.clear()
+            self.sdraft.extend(seq.cache.slot, seq.draft_state, taps)
+            seq.draft_state += taps.shape[0]

@@ -1,0 +1,163 @@
+"""What the static engine does before decoding (ddserve.engine.static_engine): prompts into
+their KV slots, and the CUDA graphs captured at start-up.
+
+  * prefill in chunks of fixed widths through the verify's forward (up to PREFILL_ROWS
+    prompts per forward, causal, no logits), at most `max_tokens` prompt tokens per call when
+    the caller asks (chunked prefill: the runner interleaves a long prompt's chunks with the
+    running requests' rounds); a capturing drafter keeps the prompt's tapped outputs
+  * warm-up: every graph the live parameters use, on inputs that touch only guard entries
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+
+from ddserve.config.engine import MAX_TOPK, LiveParams
+from ddserve.engine.sequence import Sequence
+from ddserve.engine.static import next_bucket
+from ddserve.engine.static_models import pack_draft, pack_target
+
+PREFILL_CHUNKS = (16, 64, 256)  # prompt chunk widths, sdpa (it reads a padded key range)
+PREFILL_CHUNKS_LONG = (16, 64, 256, 1024, 2048)  # with the triton kernel
+PREFILL_ROWS = 8  # prompts prefilled together in one forward
+
+
+def bucket_sizes(hi: int) -> list[int]:
+    """Batch sizes graphs are captured for: powers of two below `hi`, and `hi`."""
+    out, b = [], 1
+    while b < hi:
+        out.append(b)
+        b *= 2
+    return [*out, hi]
+
+
+class Prefill:
+    """StaticEngine's prefill and warm-up (a mixin: it reads the engine's pool, target,
+    drafter and chunk widths)."""
+
+    def prefill(self, seq: Sequence) -> None:
+        self.prefill_batch([seq])
+
+    @staticmethod
+    def prefilled(seq: Sequence) -> bool:
+        """Whether a sequence's prompt (all but its last token) is in its KV slot."""
+        return seq.cache.length >= len(seq.tokens) - 1
+
+    @torch.inference_mode()
+    def prefill_batch(self, seqs: list[Sequence], max_tokens: int | None = None) -> None:
+        """Prefill the prompts (all but their last token) of up to PREFILL_ROWS requests per
+        forward, in chunks of fixed widths; each row reads and writes its own slot. With
+        `max_tokens`, chunks are at most that wide and the call stops once that many prompt
+        tokens went in (the last forward may pass it by a chunk per row); a later call goes on
+        where this one stopped (`prefilled` says when a prompt is in)."""
+        spent = 0
+        for at in range(0, len(seqs), PREFILL_ROWS):
+            left = None if max_tokens is None else max_tokens - spent
+            if left is not None and left <= 0:
+                break
+            spent += self._prefill_rows(seqs[at : at + PREFILL_ROWS], left)
+
+    def _prefill_rows(self, seqs: list[Sequence], max_tokens: int | None) -> int:
+        t0 = time.perf_counter()
+        heads = [seq.tokens[:-1] for seq in seqs]
+        ml = self.pool.max_len
+        spent = 0
+        while max_tokens is None or spent < max_tokens:
+            todo = [i for i, h in enumerate(heads) if seqs[i].cache.length < len(h)]
+            if not todo:
+                break
+            cap = self.chunks[-1]
+            if max_tokens is not None:  # the widest chunk within what is left of the budget
+                cap = max([c for c in self.chunks if c <= max_tokens - spent] or [self.chunks[0]])
+            n_max = max(min(len(heads[i]) - seqs[i].cache.length, cap) for i in todo)
+            w = next(c for c in self.chunks if c >= n_max)
+            b = next_bucket(len(todo), 1, PREFILL_ROWS)
+            toks = np.zeros((b, w), dtype=np.int64)
+            pos = np.tile(np.arange(ml - w, ml), (b, 1))  # rows that only fill the shape
+            lens, rows = np.zeros(b, dtype=np.int64), np.zeros(b, dtype=np.int64)
+            takes, longest = [], 0
+            for r, i in enumerate(todo):
+                at = seqs[i].cache.length
+                n = min(len(heads[i]) - at, w)
+                toks[r, :n] = heads[i][at : at + n]
+                # the chunk's padding past the prompt may run beyond the pool: clamp it to the
+                # last (guard) entry; no real token sees it (causal), and it is never kept
+                pos[r] = np.minimum(at + np.arange(w), ml - 1)
+                lens[r], rows[r] = at, seqs[i].cache.slot
+                takes.append((r, i, n))
+                longest = max(longest, at + w)
+            packed = pack_target(toks, pos, pos, lens, rows)  # causal: no tree
+            _, _, taps = self.target.forward(packed, b, w, self.target.ctx_bucket(longest), False)
+            for r, i, n in takes:
+                if taps is not None:
+                    seqs[i].hidden_new.append(taps[r * w : r * w + n].clone())
+                seqs[i].cache.length += n
+                spent += n
+        elapsed = time.perf_counter() - t0
+        for seq in seqs:
+            seq.stats.prefill_s += elapsed
+        return spent
+
+    @torch.inference_mode()
+    def warm_up(self, params: LiveParams, contexts=(128, 256, 512), budgets=None) -> float:
+        """Capture the graphs the current parameters use (every batch bucket, AR and tree
+        widths, short contexts, the prefill chunks) with inputs that touch only guard
+        entries; `budgets`: every budget rounds may use (adaptive speculation), by default
+        the live one. Longer contexts and other widths are captured on first use."""
+        if not self.target.graphs.enabled:
+            return 0.0
+        t0 = time.perf_counter()
+        ml = self.pool.max_len
+        budgets = sorted(set(budgets or [params.budget]))
+        ctxs = sorted({self.target.ctx_bucket(c) for c in contexts})
+        widths = sorted({2} | {self.tree_width(b, params.topk)[0] for b in budgets})
+        for b in bucket_sizes(self.pool.slots):
+            for w in widths:
+                for ctx in ctxs:
+                    if ctx < w:
+                        continue
+                    guard = np.tile(np.arange(ml - w, ml), (b, 1))
+                    tree = np.tile(np.eye(w, dtype=bool), (b, 1, 1))
+                    zeros = np.zeros((b, w), dtype=np.int64)
+                    packed = pack_target(
+                        zeros, zeros, guard, np.zeros(b, np.int64), np.arange(b), tree
+                    )
+                    self.target.forward(packed, b, w, ctx, True)
+        for b in bucket_sizes(PREFILL_ROWS):
+            for w in self.chunks:
+                for ctx in ctxs:
+                    if ctx >= w:
+                        guard = np.tile(np.arange(ml - w, ml), (b, 1))
+                        zeros = np.zeros(b, np.int64)
+                        toks = np.zeros((b, w), np.int64)
+                        packed = pack_target(toks, guard, guard, zeros, zeros)
+                        self.target.forward(packed, b, w, ctx, False)
+        if self.sdraft is not None:  # context-only rounds (budget 0)
+            wn = self.sdraft.new_rows
+            for b in bucket_sizes(self.pool.slots):
+                self.sdraft.write_only(np.tile(np.arange(ml - wn, ml), (b, 1)))
+        keys = set()  # the draft graphs' keys but batch size and context
+        for budget in budgets if self.sdraft is not None else ():
+            depth = min(self.depth, self.sdraft.block, budget)
+            if depth > 0 and self.device_tree:
+                keys.add((depth, params.topk, budget, self.tree_width(budget, params.topk)[0]))
+            elif depth > 0:
+                keys.add((depth, next_bucket(params.topk, 1, MAX_TOPK)))
+        for depth, *rest in sorted(keys):
+            q, wn = depth + 1, self.sdraft.new_rows
+            for b in bucket_sizes(self.pool.slots):
+                for ctx in ctxs:
+                    packed = pack_draft(
+                        np.tile(np.arange(ml - wn, ml), (b, 1)),
+                        np.zeros(b, np.int64),
+                        np.tile(np.arange(ml - q, ml), (b, 1)),
+                        np.zeros((b, q), np.int64),
+                        np.zeros(b, np.int64),
+                        np.full(b, ml, np.int64),
+                    )
+                    self.sdraft.forward(packed, (b, depth, ctx, *rest))
+        torch.cuda.synchronize()
+        return time.perf_counter() - t0
