@@ -142,8 +142,28 @@ class StaticEngine(Prefill, Drafting):
             device_tree = (
                 model.device.type == "cuda" and attention_backend("auto", model.device) == "triton"
             )
-        self.device_tree = bool(device_tree) and self.sdraft is not None
+        self.device_tree = (
+            bool(device_tree) and self.sdraft is not None and self._tree_kernel_runs()
+        )
         self.timing = {"rounds": 0, "draft_s": 0.0, "tree_s": 0.0, "verify_s": 0.0, "accept_s": 0.0}
+
+    def _tree_kernel_runs(self) -> bool:
+        """Build one tiny tree with the kernel (it compiles here); if it cannot run on this
+        device, trees are built on the host (logged): correct, only slower."""
+        from ddserve.engine.tree_triton import build_trees
+
+        dev = self.model.device
+        one = torch.zeros(1, dtype=torch.long, device=dev)
+        try:
+            lp = torch.zeros(1, 1, 1, dtype=torch.float64, device=dev)
+            tok = build_trees(lp, one[:, None, None], one, one, 1, 1, 2)[0]
+            ok = tok.tolist() == [[0, 0]]
+        except Exception as exc:  # noqa: BLE001 - any kernel failure: host trees
+            log.warning("the GPU tree build does not run here (%s); trees built on the host", exc)
+            return False
+        if not ok:
+            log.warning("the GPU tree build gave a wrong tree; trees built on the host")
+        return ok
 
     @staticmethod
     def _slots_that_fit(model, drafter, slots: int, max_context: int, fraction: float) -> int:
