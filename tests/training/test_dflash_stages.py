@@ -1,0 +1,56 @@
+"""The trainer end to end on a tiny random target (real engine, CPU): corpus parts, a few
+training steps, eval per domain; --init continues a trained drafter and refuses one of
+another shape."""
+
+import json
+
+import pytest
+
+from ddserve.engine.dflash import load_dflash
+from ddserve.training.corpus_store import Corpus, load_parts
+from ddserve.training.dflash import main
+
+TINY = ["--model", "tiny-random", "--device", "cpu", "--prompts", "16", "--self-prompts", "8",
+        "--heldout-self", "2", "--continuations", "4", "--gen-tokens", "12",
+        "--write-tokens", "16", "--engine-batch", "8", "--layers", "1", "--taps", "1",
+        "--batch", "4", "--blocks-per-seq", "2", "--max-len", "96", "--log-every", "1",
+        "--eval-blocks", "2"]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    work = tmp_path_factory.mktemp("dflash")
+    assert main([*TINY, "--work", str(work), "--max-steps", "2", "--out", str(work / "out")]) == 0
+    return work
+
+
+def test_every_stage_writes_its_output(trained):
+    corpus = load_parts(trained)
+    assert len(corpus) == 2 * 16 and corpus.meta["model"] == "tiny-random"
+    assert corpus.answer_tokens.dtype.itemsize == 2
+    meta = json.loads((trained / "drafter" / "config.json").read_text())["training"]
+    assert meta["steps"] == 2 and meta["sequences"] > 0
+    assert (trained / "out" / "model.safetensors").exists()
+    res = json.loads((trained / "eval.json").read_text())
+    assert set(res["heldout"]) == {"chat", "code", "legacy"}
+    chat, code, legacy = (res["heldout"][k] for k in ("chat", "code", "legacy"))
+    own = len(Corpus.load(trained / "heldout.npz").indices(["heldout_self"]))  # a random
+    assert 0 <= own <= 2  # target seldom ends its turn: few or none of its messages are kept
+    assert (chat["sequences"], code["sequences"], legacy["sequences"]) == (8 + own, 41, 8 + 41)
+    for r in (chat, code, legacy):
+        assert len(r["agreement_by_depth"]) == 8 and r["blocks"] > 0
+        assert 0 <= r["cumulative_agreement_chain"] <= 8
+    assert res["agreement_by_depth"] == legacy["agreement_by_depth"]  # the earlier keys
+    assert set(res["train_distribution"]) == set(res["gap_next_token"]) == {"chat", "code"}
+
+
+def test_init_continues_a_drafter_and_refuses_another_shape(trained, tmp_path):
+    before = load_dflash(trained / "drafter")
+    args = [*TINY, "--work", str(trained), "--stages", "train", "--retrain", "--max-steps", "1"]
+    assert main([*args, "--init", str(trained / "out")]) == 0
+    after = json.loads((trained / "drafter" / "config.json").read_text())["training"]
+    assert after["steps"] == 1 and after["init"] == str(trained / "out")
+    assert load_dflash(trained / "drafter").c == before.c
+    with pytest.raises(SystemExit, match="config differs"):
+        main([*TINY, "--work", str(trained), "--stages", "train", "--retrain", "--layers", "2",
+              "--init", str(trained / "out")])  # fmt: skip
