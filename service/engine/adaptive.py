@@ -12,25 +12,36 @@ the GPU and the prompts, so it is measured, not configured:
     batch rounded up to a power of two, as the engine's graphs are), an exponential average
     of the rounds themselves (a sample is clipped at 2x the estimate, so a one-off stall
     such as a graph captured on first use does not poison it);
-  * gain[b]: tokens a request gets per round at `b` (1 at budget 0), averaged the same way
-    over all batch sizes (acceptance depends on the drafter and the text, not the batch),
-    and kept monotone in b: a best-first tree of budget b is the first b nodes of every
-    bigger one, so what a round at b measures bounds the others' stale estimates.
+  * gain(b): tokens a request gets per round at `b` (1 at budget 0), the same for every
+    batch size (acceptance depends on the drafter and the text, not the batch). A best-first
+    tree of budget b is the first b nodes of every bigger one, so one round at budget B says
+    what every candidate b <= B would have given: a request whose accepted path is nodes
+    n1 < n2 < ... gets 1 + #{n_i <= b} tokens. The policy averages the increments between
+    consecutive candidates, inc[b] = #{prev(b) < n_i <= b}, each from every drafting round
+    whose budget reaches b, and gain(b) = 1 + the increments up to b: candidates share
+    their common part, so their differences (which decide) carry little of a round's noise
+    (a single request's token count varies from 1 to depth + 1), gains never fall with b,
+    and a round at 7 refreshes what 16 shares with it. For b below the drafter's depth the
+    smaller tree would have been drafted with a shorter block: theirs is an estimate.
 
-A round picks the candidate with the most tokens per second, gain[b] / time[bucket, b].
+A round picks the candidate with the most tokens per second, gain(b) / time[bucket, b].
 At a new batch bucket every candidate runs twice first (the first round of a shape may pay
-for warming it up: its time is replaced by the second's); after that another candidate (the
-best that just lost, else each in turn) is re-tried every `interval` rounds of that bucket,
-an interval that doubles while the best holds (16 .. 1024 rounds) and starts over when it
-changes; a re-try's sample weighs more (its estimate may be old). So the policy follows a
-changing workload while exploring under 1% of rounds once settled. `SpecPolicy` is plain arithmetic over what `record` is told: no clock, no torch.
+for warming it up: its time is replaced by the second's); after that another candidate is
+re-tried every `interval` rounds of that bucket, an interval that doubles while the best
+holds (16 .. 1024 rounds) and starts over when it changes: the best that just lost, else
+every other time the ceiling (its round refreshes every gain), else each in turn, skipping
+those both far behind and expensive (a 17-node tree at 64 requests). A re-try's sample
+weighs more (its estimate may be old). So the policy follows a changing workload while
+exploring under 1% of rounds once settled. `SpecPolicy` is plain arithmetic over what
+`record` is told: no clock, no torch.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-ALPHA = 0.1  # weight of a new sample in the averages
+ALPHA = 0.1  # weight of a round's time in its average
+GAIN_ALPHA = 0.02  # weight of one request's tokens in the gains (a round of n: 1 - 0.98**n)
 # a re-try's sample, whose estimate may be many rounds old: it replaces the time (rounds
 # of one shape vary little) and weighs half in the gain (a round's acceptance varies a lot)
 RETRY_TIME_ALPHA, RETRY_GAIN_ALPHA = 1.0, 0.5
@@ -64,14 +75,14 @@ class _Bucket:
     interval: int = EXPLORE_MIN
     next_explore: int = EXPLORE_MIN
     previous: int | None = None  # the best before the last change: re-tried first
-    cursor: int = 0  # round-robin over the other candidates
+    cursor: int = 0  # re-tries so far: the ceiling every other one, else round-robin
     trying: int | None = None  # the budget being re-tried this round
 
 
 @dataclass
 class SpecPolicy:
     time: dict[tuple[int, int], float] = field(default_factory=dict)
-    gain: dict[int, float] = field(default_factory=lambda: {0: 1.0})
+    inc: dict[int, float] = field(default_factory=dict)  # candidate -> its increment
     buckets: dict[int, _Bucket] = field(default_factory=dict)
     samples: dict[tuple[int, int], int] = field(default_factory=dict)
 
@@ -82,7 +93,7 @@ class SpecPolicy:
             return cands[0]
         key = size_bucket(batch)
         for b in cands:  # measure every candidate at this size first
-            if self.samples.get((key, b), 0) < FIRST_SAMPLES or b not in self.gain:
+            if self.samples.get((key, b), 0) < FIRST_SAMPLES or not self.known(b):
                 return b
         st = self.buckets.setdefault(key, _Bucket())
         st.rounds += 1
@@ -95,20 +106,40 @@ class SpecPolicy:
             return best
         st.interval = min(2 * st.interval, EXPLORE_MAX)
         st.next_explore = st.rounds + st.interval
-        others = [b for b in cands if b != best]
+        # re-try candidates that may be the best after all: close behind, or cheap enough that
+        # a stale estimate costs little to check (a far-behind big tree at a big batch is not)
+        others = [
+            b
+            for b in cands
+            if b != best
+            and (
+                self.rate(key, b) > 0.5 * self.rate(key, best)
+                or self.time[(key, b)] <= 2 * self.time[(key, best)]
+            )
+        ] or [b for b in cands if b != best]
+        st.cursor += 1
         if st.previous in others:  # the one that just lost: it may have lost to noise
             st.trying, st.previous = st.previous, None
+        elif st.cursor % 2 and ceiling in others:  # every other re-try: the ceiling, whose
+            st.trying = ceiling  # round refreshes every candidate's gain
         else:
-            st.cursor = (st.cursor + 1) % len(others)
-            st.trying = others[st.cursor]
+            st.trying = others[(st.cursor // 2) % len(others)]
         return st.trying
 
     def rate(self, key: int, budget: int) -> float:
         """Estimated tokens per second per request of a round of `budget` at bucket `key`."""
-        return self.gain[budget] / self.time[(key, budget)]
+        return self.gain(budget) / self.time[(key, budget)]
 
-    def record(self, batch: int, budget: int, seconds: float, tokens_per_request: float) -> None:
-        """What a round of `batch` requests at `budget` took and gave."""
+    def known(self, budget: int) -> bool:
+        return all(b in self.inc for b in candidates(budget)[1:])
+
+    def gain(self, budget: int) -> float:
+        """Estimated tokens a request gets from a round at `budget`."""
+        return 1.0 + sum(self.inc[b] for b in candidates(budget)[1:])
+
+    def record(self, batch: int, budget: int, seconds: float, paths: list[list[int]]) -> None:
+        """What a round of `batch` requests at `budget` took, and the accepted paths (node
+        indices, ascending) of the requests it served."""
         key = (size_bucket(batch), budget)
         st = self.buckets.get(key[0])
         retry = st is not None and st.trying == budget
@@ -116,23 +147,21 @@ class SpecPolicy:
         a = RETRY_TIME_ALPHA if retry or n <= FIRST_SAMPLES else ALPHA
         old = self.time.get(key)
         self.time[key] = seconds if old is None else _avg(old, min(seconds, CLIP * old), a)
-        if budget > 0:
-            a = RETRY_GAIN_ALPHA if retry else ALPHA
-            old = self.gain.get(budget)
-            g = tokens_per_request if old is None else _avg(old, tokens_per_request, a)
-            self.gain[budget] = g
-            # a best-first tree of budget b is the first b nodes of any bigger one, so gain
-            # cannot fall with the budget: a stale estimate on either side moves with this one
-            for b in self.gain:
-                if b > budget and self.gain[b] < g or b < budget and self.gain[b] > g:
-                    self.gain[b] = g
+        if budget <= 0 or not paths:
+            return
+        a = RETRY_GAIN_ALPHA if retry else 1 - (1 - GAIN_ALPHA) ** len(paths)
+        cands = candidates(budget)
+        for lo, b in zip(cands, cands[1:], strict=False):  # what each step up would add
+            got = sum(1 for p in paths for i in p if lo < i <= b) / len(paths)
+            old = self.inc.get(b)
+            self.inc[b] = got if old is None else _avg(old, got, a)
 
     def snapshot(self) -> dict:
         """The estimates, for logs and benchmarks: {bucket: {budget: tok/s per request}}."""
         out: dict[int, dict[int, float]] = {}
         for (key, b), t in sorted(self.time.items()):
-            if b in self.gain:
-                out.setdefault(key, {})[b] = round(self.gain[b] / t, 1)
+            if self.known(b):
+                out.setdefault(key, {})[b] = round(self.gain(b) / t, 1)
         return out
 
 

@@ -440,8 +440,8 @@ class EngineRunner:
                 self._run_round([req], params, fingerprint)
             return
         if self.policy is not None:
-            got = sum(len(n) for n in news if not isinstance(n, Exception))
-            self.policy.record(len(ready), budget, time.perf_counter() - t0, got / len(ready))
+            paths = [r.seq.last_path for r, n in zip(ready, news) if not isinstance(n, Exception)]
+            self.policy.record(len(ready), budget, time.perf_counter() - t0, paths)
         # past the shared forward each request's outcome is its own: a failure ends that
         # request only, every other one gets this round's tokens (exactly once)
         for req, new in zip(ready, news, strict=True):

@@ -368,6 +368,7 @@ class StaticEngine(Prefill, Drafting):
                 out.append(d)
                 continue
             path, bonus = d
+            seq.last_path = path
             seq.cache.length += len(path) + 1
             if self.sdraft is not None:
                 seq.pending += len(path) + 1
