@@ -351,6 +351,13 @@ class EngineConfig(_Frozen):
             "dtype": self.dtype,
             "max_context": self.max_context,
         }
+        # serving the same tokens, but a different process: a restart that only changes these
+        # must be told apart by the reconfig controller's verification (absent = the default,
+        # so fingerprints of configs without them do not move)
+        if self.speculative_adaptive:
+            payload["speculative_adaptive"] = True
+        if self.spec_max_batch is not None:
+            payload["spec_max_batch"] = self.spec_max_batch
         digest = hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
         return "fp_" + digest[:10]
 

@@ -9,7 +9,8 @@ compute and speculation loses. Where the crossover lies depends on the model, th
 the GPU and the prompts, so it is measured, not configured:
 
   * time[bucket, b]: the wall time of a round of `b` at a batch of that size bucket (the
-    batch rounded up to a power of two, as the engine's graphs are), an exponential average
+    rows the round verifies, which the runner tells: the static engine's forward covers
+    slots 0..used_rows-1; rounded up to a power of two as its graphs are), an exponential average
     of the rounds themselves (a sample is clipped at 2x the estimate, so a one-off stall
     such as a graph captured on first use does not poison it);
   * gain(b): tokens a request gets per round at `b` (1 at budget 0), the same for every
@@ -93,8 +94,10 @@ class SpecPolicy:
             return cands[0]
         key = size_bucket(batch)
         for b in cands:  # measure every candidate at this size first
-            if self.samples.get((key, b), 0) < FIRST_SAMPLES or not self.known(b):
+            if self.samples.get((key, b), 0) < FIRST_SAMPLES:
                 return b
+        # those whose rounds never succeeded anywhere have no gain: not candidates here
+        cands = [b for b in cands if self.known(b)] or [0]
         st = self.buckets.setdefault(key, _Bucket())
         st.rounds += 1
         best = max(cands, key=lambda b: self.rate(key, b))
@@ -155,6 +158,15 @@ class SpecPolicy:
             got = sum(1 for p in paths for i in p if lo < i <= b) / len(paths)
             old = self.inc.get(b)
             self.inc[b] = got if old is None else _avg(old, got, a)
+
+    def failed(self, batch: int, budget: int) -> None:
+        """A round of `budget` that raised (the runner retried its requests one by one): a
+        sample that makes it the slowest candidate of its bucket, so a budget that always
+        fails (out of memory, say) is not chosen over and over; a later re-try measures it."""
+        key = (size_bucket(batch), budget)
+        self.samples[key] = self.samples.get(key, 0) + 1
+        times = [t for (k, _), t in self.time.items() if k == key[0]]
+        self.time[key] = CLIP * max(times + [self.time.get(key, 0.0), 1e-3])
 
     def snapshot(self) -> dict:
         """The estimates, for logs and benchmarks: {bucket: {budget: tok/s per request}}."""

@@ -418,11 +418,12 @@ class EngineRunner:
                     ready.append(req)
         if not ready:
             return
-        budget, limit = params.budget, self.config.spec_max_batch
+        live, limit = params, self.config.spec_max_batch
+        budget, rows = params.budget, self._rows(len(ready))
         if limit is not None and len(ready) > limit:
             budget = 0  # batch-bound: verify roots only
         elif self.policy is not None:
-            budget = self.policy.choose(len(ready), budget)
+            budget = self._adapt("choose", rows, budget, default=budget)
         if budget != params.budget:
             params = params.model_copy(update={"budget": budget})
         self.last_budget = budget
@@ -430,18 +431,21 @@ class EngineRunner:
         try:
             news = self.engine.step_batch([r.seq for r in ready], params)
         except Exception:
+            if self.policy is not None:
+                self._adapt("failed", rows, budget)
             if len(ready) == 1:
                 self._fail(ready[0], sys.exc_info()[1])
                 return
             # the shared part failed (drafts or verify), before any commit: run them one by
-            # one so only the failing one ends
+            # one so only the failing one ends (each with the live parameters again)
             log.warning("batched round failed; retrying its %d requests one by one", len(ready))
             for req in ready:
-                self._run_round([req], params, fingerprint)
+                self._run_round([req], live, fingerprint)
             return
         if self.policy is not None:
-            paths = [r.seq.last_path for r, n in zip(ready, news) if not isinstance(n, Exception)]
-            self.policy.record(len(ready), budget, time.perf_counter() - t0, paths)
+            done = zip(ready, news, strict=True)
+            paths = [r.seq.last_path for r, n in done if not isinstance(n, Exception)]
+            self._adapt("record", rows, budget, time.perf_counter() - t0, paths)
         # past the shared forward each request's outcome is its own: a failure ends that
         # request only, every other one gets this round's tokens (exactly once)
         for req, new in zip(ready, news, strict=True):
@@ -453,6 +457,22 @@ class EngineRunner:
             req.deliver(
                 StepOutput(new, seq.finished, seq.finish_reason, fingerprint, seq.stats, lp)
             )
+
+    def _rows(self, ready: int) -> int:
+        """The rows a round of `ready` requests verifies: the static engine's forward covers
+        slots 0..used_rows-1 (its graphs' batch size), which the adaptive policy keys by."""
+        pool = getattr(self.engine, "pool", None)
+        return max(ready, pool.used_rows) if pool is not None else ready
+
+    def _adapt(self, verb: str, *args, default=None):
+        """A call of the adaptive policy that can never take the round down with it: on an
+        error, log it, stop adapting (rounds use the live budget) and go on."""
+        try:
+            return getattr(self.policy, verb)(*args)
+        except Exception:  # noqa: BLE001 - plain arithmetic, but never worth a request
+            log.exception("adaptive speculation failed; using the live budget from now on")
+            self.policy = None
+            return default
 
     @staticmethod
     def _fail(req: EngineRequest, exc: BaseException) -> None:

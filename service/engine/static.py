@@ -56,23 +56,30 @@ def zeros(shape: tuple[int, ...], device, dtype: torch.dtype) -> torch.Tensor:
 
 
 class Staging:
-    """Host-to-device copies of packed integer inputs that never wait for the GPU: on CUDA
-    through a pinned buffer per input (rewritten only after the round's one sync, when the
-    copy out of it is long done), so the host packs the next forward while the GPU still runs
-    the last one; elsewhere a plain copy."""
+    """Host-to-device copies of packed integer inputs that do not wait for the GPU: on CUDA
+    through a pinned buffer per input, so the host packs the next forward while the GPU still
+    runs the last one. A buffer is rewritten only after the copy out of it has run (an event
+    per buffer: free once the round's sync has passed, a wait where forwards follow each other
+    with no sync, as prefill chunks do). `packed` may be shorter than `dst` (its first part).
+    Elsewhere a plain copy."""
 
     def __init__(self):
-        self.buffers: dict[int, torch.Tensor] = {}
+        self.buffers: dict[int, tuple[torch.Tensor, torch.cuda.Event]] = {}
 
     def copy(self, dst: torch.Tensor, packed: np.ndarray) -> None:
+        n = packed.size
         if dst.device.type != "cuda":
-            dst.copy_(torch.from_numpy(packed))
+            dst[:n].copy_(torch.from_numpy(packed.ravel()))
             return
-        buf = self.buffers.get(id(dst))
-        if buf is None:
-            buf = self.buffers[id(dst)] = torch.empty(dst.shape, dtype=dst.dtype, pin_memory=True)
-        np.copyto(buf.numpy(), packed.reshape(dst.shape), casting="same_kind")
-        dst.copy_(buf, non_blocking=True)
+        entry = self.buffers.get(id(dst))
+        if entry is None:
+            buf = torch.empty(dst.shape, dtype=dst.dtype, pin_memory=True)
+            entry = self.buffers[id(dst)] = (buf, torch.cuda.Event())
+        buf, done = entry
+        done.synchronize()  # the last copy out of this buffer has run (no-op if never recorded)
+        np.copyto(buf[:n].numpy(), packed.ravel(), casting="same_kind")
+        dst[:n].copy_(buf[:n], non_blocking=True)
+        done.record()
 
 
 class KVPool:

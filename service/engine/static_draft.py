@@ -52,7 +52,9 @@ class Drafting:
             # would not hold another round's root (or the next draft writes them)
             if self.sdraft is not None and any(s.pending >= self.sdraft.new_rows for s in seqs):
                 b = next_bucket(self.pool.used_rows, 1, self.pool.slots)
-                self.sdraft.write_only(self._feed_context(seqs, b))
+                cwpos, fed = self._feed_context(seqs, b)
+                self.sdraft.write_only(cwpos)
+                self._fed(fed)
             trees = [
                 build_tree(seq.tokens[-1], self.draft(seq, params), params.budget, params.topk)
                 for seq in seqs
@@ -63,7 +65,7 @@ class Drafting:
         depth = min(depth, sd.block)
         b = next_bucket(self.pool.used_rows, 1, self.pool.slots)
         q, ml = depth + 1, self.pool.max_len
-        cwpos = self._feed_context(seqs, b)
+        cwpos, fed = self._feed_context(seqs, b)
         root = np.zeros(b, dtype=np.int64)
         bwpos = np.tile(np.arange(ml - q, ml), (b, 1))
         bpos = np.zeros((b, q), dtype=np.int64)
@@ -71,7 +73,7 @@ class Drafting:
         window = np.full(b, ml, dtype=np.int64)
         longest = 0
         for seq in seqs:
-            s, root_pos = seq.cache.slot, seq.draft_state
+            s, root_pos = seq.cache.slot, len(seq.tokens) - 1  # the context once fed
             root[s] = seq.tokens[-1]
             bwpos[s] = bpos[s] = root_pos + np.arange(q)
             lens[s], window[s] = root_pos, params.window
@@ -82,10 +84,13 @@ class Drafting:
             width, bound = self.tree_width(params.budget, params.topk, depth)
             key = (b, depth, ctx, params.topk, params.budget, width)
             out = sd.forward(packed, key)
+            self._fed(fed)
             self.timing["draft_s"] += time.perf_counter() - t0
             return DeviceTrees(*out, width, bound)
         key = (b, depth, ctx, next_bucket(params.topk, 1, MAX_TOPK))
-        top = sd.forward(packed, key).cpu().numpy()
+        top = sd.forward(packed, key)
+        self._fed(fed)
+        top = top.cpu().numpy()
         t1 = time.perf_counter()
         trees = []
         k = params.topk
@@ -97,21 +102,29 @@ class Drafting:
         self.timing["tree_s"] += time.perf_counter() - t1
         return trees
 
-    def _feed_context(self, seqs: list[Sequence], b: int) -> np.ndarray:
+    def _feed_context(self, seqs: list[Sequence], b: int):
         """Where each sequence's pending feature rows go in the drafter's pool (context write
-        positions [B, new_rows], unused rows to the guard entries); advances draft_state."""
+        positions [B, new_rows], unused rows to the guard entries), and each one's context
+        length once they are written: `_fed` records it after the write is queued, so a draft
+        that raises leaves the rows pending for the retry."""
         wn, ml = self.sdraft.new_rows, self.pool.max_len
         cwpos = np.tile(np.arange(ml - wn, ml), (b, 1))
+        fed = []
         for seq in seqs:
             self._catch_up(seq)
             s, start, n = seq.cache.slot, seq.draft_state, seq.pending
             cwpos[s, :n] = start + np.arange(n)
-            seq.draft_state, seq.pending = start + n, 0
-            if seq.draft_state != len(seq.tokens) - 1:
+            if start + n != len(seq.tokens) - 1:
                 raise EngineError(
-                    f"DFlash context covers {seq.draft_state} tokens, expected {len(seq.tokens) - 1}"
+                    f"DFlash context covers {start + n} tokens, expected {len(seq.tokens) - 1}"
                 )
-        return cwpos
+            fed.append((seq, start + n))
+        return cwpos, fed
+
+    @staticmethod
+    def _fed(fed) -> None:
+        for seq, length in fed:
+            seq.draft_state, seq.pending = length, 0
 
     def _catch_up(self, seq: Sequence) -> None:
         """A prompt's context rows (more than one round's), written eagerly after prefill."""

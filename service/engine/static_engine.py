@@ -153,11 +153,12 @@ class StaticEngine(Prefill, Drafting):
         from ddserve.engine.tree_triton import build_trees
 
         dev = self.model.device
-        one = torch.zeros(1, dtype=torch.long, device=dev)
+        five = torch.full((1,), 5, dtype=torch.long, device=dev)
         try:
             lp = torch.zeros(1, 1, 1, dtype=torch.float64, device=dev)
-            tok = build_trees(lp, one[:, None, None], one, one, 1, 1, 2)[0]
-            ok = tok.tolist() == [[0, 0]]
+            out = build_trees(lp, five[:, None, None] + 2, five, five, 1, 1, 2)
+            tok, pos, par = (t.tolist() for t in out[:3])
+            ok = tok == [[5, 7]] and pos == [[5, 6]] and par == [[-1, 0]]
         except Exception as exc:  # noqa: BLE001 - any kernel failure: host trees
             log.warning("the GPU tree build does not run here (%s); trees built on the host", exc)
             return False
@@ -264,7 +265,7 @@ class StaticEngine(Prefill, Drafting):
         pos = np.zeros((b, w), dtype=np.int64)
         wpos = np.tile(np.arange(self.pool.max_len - w, self.pool.max_len), (b, 1))
         lens = np.zeros(b, dtype=np.int64)
-        tree_m = np.tile(np.eye(w, dtype=bool), (b, 1, 1))
+        tree_m = None if on_device else np.tile(np.eye(w, dtype=bool), (b, 1, 1))
         longest = 0
         for i, seq in enumerate(seqs):
             slot, n0 = seq.cache.slot, seq.cache.length
@@ -278,7 +279,8 @@ class StaticEngine(Prefill, Drafting):
             longest = max(longest, n0 + w)
             seq.cache.reserve(sizes[i])
         ctx = self.target.ctx_bucket(longest)
-        packed = pack_target(tokens, pos, wpos, lens, np.arange(b), tree_m)
+        # trees from the GPU bring their own mask (the packed inputs stop before it)
+        packed = pack_target(tokens, pos, wpos, lens, np.arange(b), None if on_device else tree_m)
         t2 = time.perf_counter()
         dev_trees = (drafted.tokens, drafted.positions, drafted.mask) if on_device else None
         logits, top, taps = self.target.forward(packed, b, w, ctx, True, dev_trees)

@@ -88,13 +88,14 @@ class StaticTarget:
         self, packed: np.ndarray, b: int, w: int, ctx: int, rows_are_slots: bool, trees=None
     ):
         """`trees`: (tokens, positions [B, W], mask [B, W, W]) on the device, built there
-        (StaticDFlash): they replace the packed ones, device to device, with no sync."""
+        (StaticDFlash): they replace the packed ones, device to device, with no sync (the
+        packed inputs then stop before the tree mask: pack_target without one)."""
         key = (rows_are_slots, b, w, ctx)
         inp = self.inputs.get(key)
         if inp is None:
-            inp = self.inputs[key] = torch.zeros(
-                packed.size, dtype=torch.long, device=self.model.device
-            )
+            n = b * w
+            size = 3 * n + 2 * b + (n * w if rows_are_slots else 0)  # pack_target's layout
+            inp = self.inputs[key] = torch.zeros(size, dtype=torch.long, device=self.model.device)
         self.staging.copy(inp, packed)
         if trees is not None:
             n = b * w
@@ -286,7 +287,7 @@ class StaticDFlash:
 
         budget, width = key[4:]  # the trees here, as the verify's inputs
         lp, ids = vals.double().view(b, depth, -1), ids.view(b, depth, -1)
-        return build_trees(lp, ids, root, lens, budget, topk, width)
+        return build_trees(lp, ids, root, lens, budget, lp.shape[-1], width)
 
 
 def pack_draft(cwpos, root, bwpos, bpos, lens, window) -> np.ndarray:

@@ -24,6 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ddserve.engine.tree import size_bound
+
 
 @triton.jit
 def _flag(c):
@@ -120,7 +122,8 @@ def build_trees(
     root [B] and lens [B] int64 -> (tokens, positions, parents [B, W] int64, weights [B, W]
     float64, mask [B, W, W] int64): trees of at most `budget` nodes over the first `k`
     candidates of every depth. W = `width` (>= the largest tree + 1, a power of two)."""
-    b, depth, _ = top_lp.shape
+    b, depth, columns = top_lp.shape
+    k = min(k, columns)  # fewer candidates than asked (a small vocabulary): only those
     dev = top_lp.device
     if top_lp.stride(2) != 1 or top_ids.stride() != top_lp.stride():
         top_lp, top_ids = top_lp.contiguous(), top_ids.contiguous()
@@ -128,10 +131,11 @@ def build_trees(
     pos, par = torch.empty_like(tok), torch.empty_like(tok)
     logw = torch.empty(b, width, dtype=torch.float64, device=dev)
     mask = torch.empty(b, width, width, dtype=torch.int64, device=dev)
-    frontier = triton.next_power_of_2(2 * budget + 1)
+    steps = size_bound(budget, depth, k)  # no more nodes exist: no empty steps past them
+    frontier = triton.next_power_of_2(2 * steps + 1)
     _build[(b,)](
         top_lp, top_ids, root, lens, tok, pos, par, logw, mask,
-        top_lp.stride(0), top_lp.stride(1), depth, k, budget,
+        top_lp.stride(0), top_lp.stride(1), depth, k, steps,
         W=width, F=frontier,
     )  # fmt: skip
     return tok, pos, par, logw, mask

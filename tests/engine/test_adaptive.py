@@ -199,3 +199,20 @@ def test_a_candidate_measured_badly_at_first_is_found_again():
             t, slow = 3 * t, slow + 1
         policy.record(64, b, t, world.paths(b))
     assert drive(policy, world, 64, 16, 100).count(0) >= 95
+
+
+def test_a_budget_whose_rounds_always_fail_is_left_alone():
+    """Rounds at 15 and 16 raise every time at 64 requests (out of memory, say; the runner
+    then serves their requests one by one): after its first tries the policy stops choosing
+    them there and settles on a budget that works."""
+    world, policy = World(), SpecPolicy()
+    chosen = []
+    for _ in range(2000):
+        b = policy.choose(64, 16)
+        chosen.append(b)
+        if b >= 15:
+            policy.failed(64, b)
+        else:
+            policy.record(64, b, world.seconds(64, b), world.paths(b))
+    assert sum(b >= 15 for b in chosen) <= 20
+    assert chosen[-500:].count(0) >= 490

@@ -297,6 +297,47 @@ def test_budget_changing_every_round_with_a_dflash_drafter(tiny):
     assert sum(len(t) > 1 for t in outs[1][1]) > 20  # many rounds drafted
 
 
+def test_a_draft_that_raises_loses_no_context(tiny):
+    """The DFlash draft forward raises in some rounds (after budget-0 rounds buffered their
+    feature rows): the round fails before any commit and is run again, and the drafts that
+    follow are the reference's, tree for tree (no context row was dropped)."""
+    draft = random_dflash(tiny)
+    ref = ReferenceEngine(tiny, ReferenceDFlash(draft, tiny), 6, ())
+    eng = StaticEngine(
+        tiny, DFlashDrafter(draft, tiny), 6, (), slots=2, max_context=256, graphs=False
+    )
+    forward, calls = eng.sdraft.forward, []
+
+    def flaky(packed, key):
+        calls.append(key)
+        if len(calls) % 3 == 0:
+            raise RuntimeError("injected draft failure")
+        return forward(packed, key)
+
+    eng.sdraft.forward = flaky
+    schedule = [8, 0, 0, 0, 3, 0, 16, 0, 0, 8]
+    outs = []
+    for e in (ref, eng):
+        trees = []
+        e.accept = lambda tree, targets, trees=trees: (
+            trees.append(tree.tokens) or accept(tree, targets)
+        )
+        seq = e.new_sequence(PROMPTS[0], SamplingParams(max_tokens=40))
+        e.prefill(seq)
+        failures = 0
+        for budget in schedule * 4:
+            if seq.finished:
+                break
+            try:
+                e.step_batch([seq], LiveParams(budget=budget, topk=2))
+            except RuntimeError:
+                failures += 1
+                e.step_batch([seq], LiveParams(budget=budget, topk=2))  # the retry
+        outs.append((seq.output, trees))
+    assert failures > 0
+    assert outs[0] == outs[1]
+
+
 def test_trees_at_the_end_of_the_context(tiny):
     """A request that fills its context to the last entry while verifying 17-node trees:
     the trees' pending entries run into the slot's guard, the output is the reference's."""

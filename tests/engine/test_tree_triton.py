@@ -121,6 +121,14 @@ def test_candidates_missing_at_some_depths():
     check(lp, ids, 24, 4, [3, 3, 3, 3])
 
 
+def test_topk_beyond_the_candidates_a_depth_has():
+    """k = 4 over drafts of 2 columns (a vocabulary smaller than topk): the 2 there are,
+    never the next depth's entries."""
+    rng = np.random.default_rng(4)
+    lp, ids = random_drafts(rng, 3, 4, 2)
+    check(lp, ids, 6, 4, [1, 2, 3])
+
+
 def test_budget_zero_is_the_root_alone():
     rng = np.random.default_rng(3)
     lp, ids = random_drafts(rng, 2, 4, 2)
