@@ -27,6 +27,8 @@ from pathlib import Path
 
 import numpy as np
 
+from ddserve.errors import ConfigError
+
 
 def token_dtype(vocab_size: int) -> type:
     return np.uint16 if vocab_size <= 1 << 16 else np.uint32
@@ -210,6 +212,6 @@ def part_paths(directory: Path, stem: str = "corpus") -> list[Path]:
 def load_parts(directory: Path, stem: str = "corpus") -> Corpus:
     paths = part_paths(directory, stem)
     if not paths:
-        raise FileNotFoundError(f"no {stem}-NNN.npz parts in {directory}")
+        raise ConfigError(f"no {stem}-NNN.npz parts in {directory}: run the corpus stage first")
     parts = [Corpus.load(p) for p in paths]
     return parts[0] if len(parts) == 1 else Corpus.concat(parts)

@@ -5,6 +5,7 @@ import random
 import numpy as np
 import pytest
 
+from ddserve.errors import ConfigError
 from ddserve.training.corpus_store import (
     Corpus,
     load_parts,
@@ -59,5 +60,5 @@ def test_tokens_are_two_bytes_when_the_vocabulary_allows(tmp_path):
 
 
 def test_missing_parts_are_an_error(tmp_path):
-    with pytest.raises(FileNotFoundError):
+    with pytest.raises(ConfigError, match="run the corpus stage first"):
         load_parts(tmp_path)
