@@ -193,6 +193,14 @@ class ReferenceEngine:
     generate = StaticEngine.generate
 
 
+def record_trees(engine) -> list[list[int]]:
+    """Every tree `engine` verifies from now on (its node tokens, in order), through its
+    accept seam: two engines that must draft alike are compared draft for draft."""
+    trees: list[list[int]] = []
+    engine.accept = lambda tree, targets: trees.append(tree.tokens) or accept(tree, targets)
+    return trees
+
+
 def one_engine(
     model: Llama, drafter: Drafter, depth: int, eos_token_ids=(), engine=StaticEngine, **kw
 ) -> StaticEngine:

@@ -10,7 +10,7 @@ import pytest
 from ddserve.config.engine import EngineConfig
 from ddserve.engine.adaptive import EXPLORE_MAX, SpecPolicy, candidates, size_bucket
 from ddserve.engine.runner import EngineRunner
-from ddserve.engine.sampling import SamplingParams
+from tests.engine.test_static_engine import _collect
 
 
 def test_candidates_fill_verify_widths_up_to_the_ceiling():
@@ -156,17 +156,11 @@ def run_runner(adaptive: bool, budget: int, prompts, *, changes=None):
         )
     try:
 
-        async def one(p):
-            out = []
-            async for step in runner.generate(p, SamplingParams(max_tokens=40, ignore_eos=True)):
-                out += step.token_ids
-            return out
-
         async def main():
-            first = await asyncio.gather(*(one(p) for p in prompts))
+            first = await asyncio.gather(*(_collect(runner, p, 40) for p in prompts))
             if changes:
                 runner.update_params(**changes)
-            second = await asyncio.gather(*(one(p) for p in prompts))
+            second = await asyncio.gather(*(_collect(runner, p, 40) for p in prompts))
             return first + second
 
         return asyncio.run(main()), chosen, runner.load_gauges()

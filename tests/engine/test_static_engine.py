@@ -15,10 +15,9 @@ from ddserve.engine.drafters import NGramDrafter, NoDrafter
 from ddserve.engine.runner import EngineRunner
 from ddserve.engine.sampling import SamplingParams
 from ddserve.engine.static_engine import StaticEngine
-from ddserve.engine.tree import accept
 from ddserve.engine.weights import random_llama, tiny_config
 from ddserve.errors import EngineError
-from tests.engine.reference import ReferenceDFlash, ReferenceEngine
+from tests.engine.reference import ReferenceDFlash, ReferenceEngine, record_trees
 from tests.engine.test_batching import PROMPTS, check_batched_sampling, run_lockstep
 from tests.engine.test_lossless import assert_logprobs_match, plain_greedy, random_dflash
 
@@ -280,10 +279,7 @@ def test_budget_changing_every_round_with_a_dflash_drafter(tiny):
     schedule = [8, 0, 0, 3, *[0] * 12, 16, 1, 0, 0, 0, 7, *[0] * 5, 8, 8]
     outs = []
     for e in (ref, eng):
-        trees = []  # every tree verified, in order: the drafts themselves must agree
-        e.accept = lambda tree, targets, trees=trees: (
-            trees.append(tree.tokens) or accept(tree, targets)
-        )
+        trees = record_trees(e)  # the drafts themselves must agree
         seqs = [e.new_sequence(p, SamplingParams(max_tokens=60)) for p in PROMPTS[:2]]
         e.prefill(seqs[0])
         for rnd, budget in enumerate(schedule * 3):
@@ -318,10 +314,7 @@ def test_a_draft_that_raises_loses_no_context(tiny):
     schedule = [8, 0, 0, 0, 3, 0, 16, 0, 0, 8]
     outs = []
     for e in (ref, eng):
-        trees = []
-        e.accept = lambda tree, targets, trees=trees: (
-            trees.append(tree.tokens) or accept(tree, targets)
-        )
+        trees = record_trees(e)
         seq = e.new_sequence(PROMPTS[0], SamplingParams(max_tokens=40))
         e.prefill(seq)
         failures = 0

@@ -200,8 +200,7 @@ def test_engine_decodes_like_the_reference(tiny, oracle_kernel):
     accept lengths of the reference engine (host trees, its own verify), tree for tree."""
     from ddserve.config.engine import LiveParams
     from ddserve.engine.sampling import SamplingParams
-    from ddserve.engine.tree import accept
-    from tests.engine.reference import ReferenceDFlash, ReferenceEngine
+    from tests.engine.reference import ReferenceDFlash, ReferenceEngine, record_trees
     from tests.engine.test_batching import PROMPTS, run_lockstep
     from tests.engine.test_lossless import random_dflash
 
@@ -211,9 +210,7 @@ def test_engine_decodes_like_the_reference(tiny, oracle_kernel):
         params = LiveParams(budget=budget, topk=topk, window=window)
         ref = ReferenceEngine(tiny, ReferenceDFlash(draft, tiny), 6, ())
         eng = device_engine(tiny, draft)
-        got_trees, want_trees = [], []
-        ref.accept = lambda t, x, log=want_trees: log.append(t.tokens) or accept(t, x)
-        eng.accept = lambda t, x, log=got_trees: log.append(t.tokens) or accept(t, x)
+        want_trees, got_trees = record_trees(ref), record_trees(eng)
         sp = [SamplingParams(max_tokens=n) for n in lengths]
         alone = [ref.generate(p, s, params) for p, s in zip(PROMPTS, sp, strict=True)]
         mine = [eng.generate(p, s, params) for p, s in zip(PROMPTS, sp, strict=True)]
