@@ -90,11 +90,20 @@ def engine_runs(
     prompts = chat_ids(tok, texts)
     rows, ref = [], None
     for name in configs:
-        kind, budget, topk = REGISTRY[name]
+        base, *modes = name.split("@")  # @nofused: torch's layers (no fused triton kernels)
+        kind, budget, topk = REGISTRY[base]
         drafter = make_drafter(kind, m, dflash)
         gpu = m.device.type == "cuda"  # CUDA graphs and torch.compile on a GPU, as served
         eng = StaticEngine(
-            m, drafter, 8, m.cfg.eos_token_ids, slots=1, max_context=2048, graphs=gpu, compile=gpu
+            m,
+            drafter,
+            8,
+            m.cfg.eos_token_ids,
+            slots=1,
+            max_context=2048,
+            graphs=gpu,
+            compile=gpu,
+            fused_layers="off" if "nofused" in modes else "auto",
         )
         eng.warm_up(LiveParams(budget=budget, topk=topk))
         eng.generate(
@@ -246,7 +255,7 @@ def main() -> None:
     a = ap.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     for c in (a.configs + "," + a.sampled_configs).split(","):
-        if c and c not in REGISTRY:
+        if c and c.split("@")[0] not in REGISTRY:
             sys.exit(f"unknown config {c!r}; known: {', '.join(REGISTRY)}")
     texts = prompt_set(a.prompt_set)
     dtype = getattr(torch, a.dtype) if a.dtype else None

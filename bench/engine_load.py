@@ -9,7 +9,8 @@ A config name may end in modes after `@`: `@adaptive` (dflash-b16k4@adaptive) is
 engine with --speculative-adaptive (its budget is the ceiling); its row records the budgets
 its rounds used per level and the policy's estimates (tok/s per request per budget and batch
 bucket). `@hosttree` builds DFlash trees on the host (the engine before the GPU tree build:
-top-k copied back, heap in Python) to compare with the default. `--dflash-path DIR` drafts
+top-k copied back, heap in Python) to compare with the default; `@nofused` runs torch's
+decoder layers instead of the fused triton kernels (ddserve.engine.layer_triton). `--dflash-path DIR` drafts
 with another trained DFlash drafter. On CUDA, DFlash rows also give the GPU time of a
 drafting round's draft + tree (CUDA events around the draft call) and the wall time per round.
 
@@ -64,7 +65,7 @@ async def one(runner: EngineRunner, prompt: list[int], sampling: SamplingParams)
     return RequestResult(True, first - t0, time.perf_counter() - t0, tokens, gaps, stats.tau)
 
 
-MODES = ("adaptive", "hosttree")
+MODES = ("adaptive", "hosttree", "nofused")
 
 
 def draft_timer(engine) -> list | None:
@@ -97,6 +98,7 @@ def run_config(lm, name, a, prompts, levels) -> dict:
         max_batch=max(levels),
         graphs=a.graphs,
         compile=a.compile,
+        fused_layers="off" if "nofused" in modes else "auto",
         spec_max_batch=a.spec_max_batch,
         drafter={"kind": kind, "dflash_path": a.dflash_path if kind == "dflash" else None},
         params={"budget": budget, "topk": topk, "temperature": a.temperature},
@@ -110,6 +112,7 @@ def run_config(lm, name, a, prompts, levels) -> dict:
         "config": name,
         "engine": type(runner.engine).__name__,
         "device_tree": getattr(runner.engine, "device_tree", False),
+        "fused_layers": getattr(runner.engine, "fused_layers", False),
         "dflash_path": cfg.drafter.dflash_path,
         "ready_s": round(time.perf_counter() - t0, 2),
         "levels": [],

@@ -2,11 +2,13 @@
 replay time, host time around it, kernels per step, and the floors.
 
     python -m ddserve.bench.static_step [--model smollm2-135m|random-smollm2] [--batches 1,4,16,64]
-        [--widths 2,4,8,16] [--context 256[,7200,...]] [--modes eager,graph,compile]
+        [--widths 2,4,8,16] [--context 256[,7200,...]] [--modes eager,graph,compile,fused]
         [--attention sdpa,triton] [--prefill 1000,7200] [--name static_step]
 
 For each mode (eager: no graph; graph: CUDA graph of the eager kernels; compile: CUDA graph
-of the torch.compile'd layers) and (B, W): the GPU time of one step (CUDA events over 50
+of the torch.compile'd layers; fused: CUDA graph of the fused triton layers of
+ddserve.engine.layer_triton, compiled layers above its row limit; `fused:block_n=16:num_warps=2`
+sets its tuning) and (B, W): the GPU time of one step (CUDA events over 50
 replays), the full call as the engine makes it (pack inputs, copy, replay, read argmax back),
 the kernels one step launches (profiler, eager/compiled run), and the floor: weights + the
 KV entries attended, read once at the measured copy bandwidth. With several --context values
@@ -48,6 +50,9 @@ SMOLLM2 = LlamaConfig(
     rope_theta=100000.0,
     max_position=8192,
 )
+
+
+DEFAULT_TUNE: dict = {}
 
 
 def inputs(st: StaticTarget, b: int, w: int, length: int) -> np.ndarray:
@@ -138,6 +143,10 @@ def main() -> None:
     if not torch.cuda.is_available():
         sys.exit("ddserve.bench.static_step measures CUDA graphs: it needs a GPU")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if any(m.startswith("fused") for m in a.modes.split(",")):
+        from ddserve.engine import layer_triton
+
+        DEFAULT_TUNE.update(layer_triton.TUNE)
     if a.model == "random-smollm2":
         model = random_llama(SMOLLM2).to("cuda", torch.bfloat16)
     else:
@@ -163,7 +172,15 @@ def main() -> None:
     prefills = [int(x) for x in a.prefill.split(",") if x]
     longest = max(contexts + prefills) + max(widths)
     for mode in a.modes.split(","):
-        layer_fn = compile_layer_step() if mode == "compile" else layer_step
+        layer_fn = compile_layer_step() if mode != "eager" and mode != "graph" else layer_step
+        if mode.startswith("fused"):  # fused[:block_n=16:num_warps=2...]: tuned variants
+            from ddserve.engine import layer_triton
+
+            layer_triton.TUNE.update(DEFAULT_TUNE)
+            for kv in mode.split(":")[1:]:
+                k, v = kv.split("=")
+                layer_triton.TUNE[k] = int(v)
+            layer_fn = layer_triton.with_fused_layers(layer_fn)
         for attn in a.attention.split(","):
             st = StaticTarget(
                 model, max(batches), longest, (), True, layer_fn=layer_fn, attention=attn
@@ -186,7 +203,7 @@ def main() -> None:
                         (out / f"{a.name}.json").write_text(json.dumps(result, indent=1))
             del st
             torch.cuda.empty_cache()
-            if prefills:
+            if prefills and not mode.startswith("fused"):  # prefill is wide: never fused
                 result.setdefault("prefill", []).extend(
                     time_prefill(model, mode, attn, prefills, longest)
                 )
@@ -222,7 +239,9 @@ def time_prefill(model, mode: str, attn: str, lengths: list[int], longest: int) 
                 times.append(time.perf_counter() - t0)
             eng.release(seq)
         ms = float(np.median(times)) * 1e3
-        rows.append({"mode": mode, "attention": attn, "prompt_tokens": n, "prefill_ms": round(ms, 3)})
+        rows.append(
+            {"mode": mode, "attention": attn, "prompt_tokens": n, "prefill_ms": round(ms, 3)}
+        )
         print(f"{mode:8s} {attn:6s} prefill {n:5d} tokens: {ms:.2f} ms", flush=True)
     del eng
     torch.cuda.empty_cache()

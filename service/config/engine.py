@@ -297,6 +297,11 @@ class EngineConfig(_Frozen):
         description="The static engine's attention: triton = one kernel that reads only the keys each request has (tree, causal and windowed masks); sdpa = the reference (torch's scaled_dot_product_attention over a padded key range). auto = triton with CUDA when triton imports, else sdpa.",
         json_schema_extra={"flag": "--attention-backend"},
     )
+    fused_layers: Literal["auto", "on", "off"] = Field(
+        "auto",
+        description="Decode and verify forwards of at most 64 rows run each decoder layer as four triton kernels plus attention (RMSNorm + QKV + RoPE + KV write; O projection + residual; RMSNorm + gate/up + SiLU; down projection + residual) instead of torch's ~13: at a few rows a step is bound by kernel launches. Wider forwards (prefill) keep torch. auto = on with CUDA when triton imports; on elsewhere needs triton's interpreter (tests).",
+        json_schema_extra={"flag": "--fused-layers"},
+    )
     gpu_memory_utilization: float = Field(
         0.9,
         gt=0,

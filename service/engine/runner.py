@@ -233,6 +233,7 @@ class EngineRunner:
             graphs=self.config.graphs != "off" and cuda,
             compile=self.config.compile == "on" or (self.config.compile == "auto" and cuda),
             attention=self.config.attention_backend,
+            fused_layers=self.config.fused_layers,
             memory_fraction=self.config.gpu_memory_utilization,
         )
         params = self.config.params

@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from ddserve.engine.attention import Attn, attend
+from ddserve.engine.attention import backend as attention_backend
 from ddserve.engine.llama import Block, LlamaConfig, apply_rope, linear
 from ddserve.errors import ConfigError, EngineError
 
@@ -257,6 +258,24 @@ def compile_layer_step():
     # every (B, W, ctx) class that dynamic shapes specialise on counts against this limit
     torch._dynamo.config.cache_size_limit = max(64, torch._dynamo.config.cache_size_limit)
     return torch.compile(layer_step, dynamic=True)
+
+
+def fused_layers_on(choice: str, device: torch.device) -> bool:
+    """Whether the fused layer kernels (ddserve.engine.layer_triton) run: auto = with CUDA
+    when triton's kernels run there (as the attention backend decides); on = wherever triton
+    runs (on CPU only in its interpreter: the tests), else a config error naming the fix."""
+    if choice == "off":
+        return False
+    if choice == "auto":
+        return device.type == "cuda" and attention_backend("auto", device) == "triton"
+    try:
+        attention_backend("triton", device)
+    except ConfigError as exc:
+        raise ConfigError(
+            "fused_layers=on needs triton and a CUDA device; use --fused-layers auto or off",
+            param="fused_layers",
+        ) from exc
+    return True
 
 
 class GraphCache:

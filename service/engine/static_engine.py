@@ -60,6 +60,7 @@ from ddserve.engine.static import (
     SlotCache,
     compile_layer_step,
     fit_slots,
+    fused_layers_on,
     layer_step,
     next_bucket,
 )
@@ -102,6 +103,7 @@ class StaticEngine(Prefill, Drafting):
         attention: str = "auto",
         memory_fraction: float | None = None,
         device_tree: bool | None = None,
+        fused_layers: str = "auto",
     ):
         self.model = model
         self.drafter = drafter
@@ -113,6 +115,11 @@ class StaticEngine(Prefill, Drafting):
         if memory_fraction is not None and model.device.type == "cuda":
             slots = self._slots_that_fit(model, drafter, slots, max_context, memory_fraction)
         layer_fn = compile_layer_step() if compile else layer_step  # the hot step, compiled once
+        self.fused_layers = fused_layers_on(fused_layers, model.device)
+        if self.fused_layers:  # decode/verify widths: four triton kernels per layer
+            from ddserve.engine.layer_triton import with_fused_layers
+
+            layer_fn = with_fused_layers(layer_fn)
         self.attention = attention_backend(attention, model.device)
         self.chunks = PREFILL_CHUNKS_LONG if self.attention == "triton" else PREFILL_CHUNKS
         self.target = StaticTarget(

@@ -1,0 +1,267 @@
+"""A decoder layer in four triton kernels plus attention, for forwards of few rows (decode
+and verify: B x W <= FUSED_MAX_ROWS). Imported only where triton is.
+
+At a few rows a layer is bound by kernel launches, not bytes: SmolLM2's layer reads 7 MB of
+weights (~1.7 us at the H200's bandwidth), while torch.compile's version launches ~13
+kernels of 1-10 us (norms, four GEMMs, RoPE, cache writes, layout copies, SiLU x up). Here:
+
+    qkv_rope      h = RMSNorm(x); [q;k;v] = h @ Wqkv^T (+ bias); RoPE on q and k; k and v
+                  written into the KV pool at each token's write position; q out
+                  (a program per head: its two rotary halves are two accumulators)
+    attention     ddserve.engine.attention (the triton kernel, or the sdpa reference)
+    matmul_add    x + att @ Wo^T                    (the residual in the epilogue)
+    gate_up       h = RMSNorm(x); silu(h @ Wg^T) * (h @ Wu^T)
+    matmul_add    x + act @ Wd^T
+
+Each program takes BLOCK_M rows and BLOCK_N output columns and loops over the input in
+BLOCK_K steps (tl.dot: tensor cores in bf16, IEEE fp32 in fp32). RMSNorm is recomputed per
+program from its rows (a few KB, from L2). Values are rounded to the model's dtype where the
+reference (ddserve.engine.static.layer_step) rounds them: after each projection, the norm's
+output, SiLU, each product and sum; so in bf16 the two differ only by accumulation order.
+The reference stays the tests' oracle and the path for wide forwards (prefill chunks).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ddserve.engine.attention import attend
+
+FUSED_MAX_ROWS = 64  # wider forwards (prefill chunks, big trees) go through torch
+
+
+@triton.jit
+def _rstd(X, sx, m, m_ok, H, eps, BLOCK_K: tl.constexpr):
+    """1 / sqrt(mean(x^2) + eps) of rows m of X [M, H], fp32 [BLOCK_M]."""
+    acc = tl.zeros([m.shape[0]], tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(
+            X + m[:, None] * sx + k[None, :], mask=m_ok[:, None] & (k < H)[None, :], other=0.0
+        )
+        x = x.to(tl.float32)
+        acc += tl.sum(x * x, 1)
+    return 1.0 / tl.sqrt(acc / H + eps)
+
+
+@triton.jit
+def _normed(X, sx, G, m, m_ok, k, H, rstd):
+    """RMSNorm(x)[m, k] as the reference rounds it: (x * rstd) in the model's dtype, times g."""
+    x = tl.load(X + m[:, None] * sx + k[None, :], mask=m_ok[:, None] & (k < H)[None, :], other=0.0)
+    g = tl.load(G + k, mask=k < H, other=0.0)
+    return (x.to(tl.float32) * rstd[:, None]).to(x.dtype) * g[None, :]
+
+
+@triton.jit
+def _dot(a, b, IEEE: tl.constexpr):
+    if IEEE:
+        return tl.dot(a, b, input_precision="ieee")
+    return tl.dot(a, b)
+
+
+@triton.jit
+def _qkv_rope(
+    X, NW, Wqkv, Bias, Cos, Sin, Q, KC, VC, Rows, Wpos,
+    M, H, W, NH, KVH, eps,
+    sx, sw, sc, sq_n, sq_h, sk_s, sk_h, sk_l,
+    HD: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    pid_h = tl.program_id(0)  # heads: q 0..NH-1, k NH..NH+KVH-1, v after
+    pid_m = tl.program_id(1)
+    HALF: tl.constexpr = HD // 2
+    m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_ok = m < M
+    j = tl.arange(0, HALF)
+    rstd = _rstd(X, sx, m, m_ok, H, eps, BLOCK_K)
+    col = pid_h * HD + j  # the head's first rotary half; the second is col + HALF
+    lo = tl.zeros([BLOCK_M, HALF], tl.float32)
+    hi = tl.zeros([BLOCK_M, HALF], tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        h = _normed(X, sx, NW, m, m_ok, k, H, rstd)
+        k_ok = (k < H)[None, :]
+        w_lo = tl.load(Wqkv + col[:, None] * sw + k[None, :], mask=k_ok, other=0.0)
+        w_hi = tl.load(Wqkv + (col + HALF)[:, None] * sw + k[None, :], mask=k_ok, other=0.0)
+        lo += _dot(h, tl.trans(w_lo), IEEE)
+        hi += _dot(h, tl.trans(w_hi), IEEE)
+    dt = Q.dtype.element_ty
+    lo = lo.to(dt)
+    hi = hi.to(dt)
+    if HAS_BIAS:
+        lo = (lo + tl.load(Bias + col)[None, :]).to(dt)
+        hi = (hi + tl.load(Bias + col + HALF)[None, :]).to(dt)
+    if pid_h < NH + KVH:  # RoPE: [lo, hi] * cos + [-hi, lo] * sin
+        cs = Cos + m[:, None] * sc + j[None, :]
+        sn = Sin + m[:, None] * sc + j[None, :]
+        c_lo = tl.load(cs, mask=m_ok[:, None], other=0.0)
+        c_hi = tl.load(cs + HALF, mask=m_ok[:, None], other=0.0)
+        s_lo = tl.load(sn, mask=m_ok[:, None], other=0.0)
+        s_hi = tl.load(sn + HALF, mask=m_ok[:, None], other=0.0)
+        lo, hi = (
+            ((lo * c_lo).to(dt) - (hi * s_lo).to(dt)).to(dt),
+            ((hi * c_hi).to(dt) + (lo * s_hi).to(dt)).to(dt),
+        )
+    if pid_h < NH:
+        at = Q + m[:, None] * sq_n + pid_h * sq_h + j[None, :]
+        tl.store(at, lo, mask=m_ok[:, None])
+        tl.store(at + HALF, hi, mask=m_ok[:, None])
+    else:  # k or v of kv head `kh`: into the pool at (slot of the row, write position)
+        slot = tl.load(Rows + m // W, mask=m_ok, other=0)
+        pos = tl.load(Wpos + m, mask=m_ok, other=0)
+        is_k = pid_h < NH + KVH
+        kh = tl.where(is_k, pid_h - NH, pid_h - NH - KVH)
+        off = slot[:, None] * sk_s + kh * sk_h + pos[:, None] * sk_l + j[None, :]
+        if is_k:
+            tl.store(KC + off, lo, mask=m_ok[:, None])
+            tl.store(KC + off + HALF, hi, mask=m_ok[:, None])
+        else:
+            tl.store(VC + off, lo, mask=m_ok[:, None])
+            tl.store(VC + off + HALF, hi, mask=m_ok[:, None])
+
+
+@triton.jit
+def _gate_up(
+    X, NW, Wgu, Out, M, H, INTER, eps, sx, sw, so,
+    IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_ok = m < M
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < INTER
+    rstd = _rstd(X, sx, m, m_ok, H, eps, BLOCK_K)
+    g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        h = _normed(X, sx, NW, m, m_ok, k, H, rstd)
+        wmask = n_ok[:, None] & (k < H)[None, :]
+        w_g = tl.load(Wgu + n[:, None] * sw + k[None, :], mask=wmask, other=0.0)
+        w_u = tl.load(Wgu + (n + INTER)[:, None] * sw + k[None, :], mask=wmask, other=0.0)
+        g += _dot(h, tl.trans(w_g), IEEE)
+        u += _dot(h, tl.trans(w_u), IEEE)
+    dt = Out.dtype.element_ty
+    g = g.to(dt).to(tl.float32)
+    act = (g / (1.0 + tl.exp(-g))).to(dt) * u.to(dt)  # silu(gate) * up
+    tl.store(Out + m[:, None] * so + n[None, :], act, mask=m_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _matmul_add(
+    A, Wt, R, Out, M, N, K, sa, sw, sr, so,
+    IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """Out = R + A @ Wt^T  (A [M, K], Wt [N, K], R/Out [M, N])."""
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_ok = m < M
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < N
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = k < K
+        a = tl.load(A + m[:, None] * sa + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(
+            Wt + n[:, None] * sw + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0
+        )
+        acc += _dot(a, tl.trans(w), IEEE)
+    ok = m_ok[:, None] & n_ok[None, :]
+    r = tl.load(R + m[:, None] * sr + n[None, :], mask=ok, other=0.0)
+    dt = Out.dtype.element_ty
+    tl.store(Out + m[:, None] * so + n[None, :], (r + acc.to(dt)).to(dt), mask=ok)
+
+
+def _block_m(m: int) -> int:
+    return 16 if m <= 16 else (32 if m <= 32 else 64)
+
+
+# output columns per program of the two plain matmuls and of gate/up (benchmarks may tune)
+TUNE = {"block_n": 32, "block_k": 64, "num_warps": 4, "num_stages": 2}
+
+
+def qkv_rope(block, x, cos, sin, kc, vc, rows, wpos) -> torch.Tensor:
+    """q [M, nh, hd] with RoPE; k, v written into the pools kc/vc [S, kvh, L, hd] at
+    (rows[m // W], wpos[m]). x [M, H]; cos/sin [M, hd]; rows [B]; wpos [B, W]."""
+    c = block.cfg
+    m, h = x.shape
+    nh, kvh, hd = c.num_heads, c.num_kv_heads, c.head_dim
+    q = torch.empty(m, nh, hd, device=x.device, dtype=x.dtype)
+    bm = _block_m(m)
+    w = block.qkv_weight
+    bias = block.qkv_bias
+    assert kc.stride() == vc.stride() and kc.stride(3) == 1, "K and V pools share one layout"
+    norm = block.input_layernorm
+    _qkv_rope[(nh + 2 * kvh, triton.cdiv(m, bm))](
+        x, norm.weight, w, bias if bias is not None else w, cos, sin, q, kc, vc, rows, wpos,
+        m, h, wpos.shape[1], nh, kvh, norm.eps,
+        x.stride(0), w.stride(0), cos.stride(0), q.stride(0), q.stride(1),
+        kc.stride(0), kc.stride(1), kc.stride(2),
+        HD=hd, HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32,
+        BLOCK_M=bm, BLOCK_K=TUNE["block_k"],
+        num_warps=TUNE["num_warps"], num_stages=TUNE["num_stages"],
+    )  # fmt: skip
+    return q
+
+
+def gate_up(block, x) -> torch.Tensor:
+    """silu(h @ Wg^T) * (h @ Wu^T), h = post-attention RMSNorm(x): [M, I]."""
+    m, h = x.shape
+    w = block.gate_up_weight
+    inter = w.shape[0] // 2
+    out = torch.empty(m, inter, device=x.device, dtype=x.dtype)
+    bm, bn = _block_m(m), TUNE["block_n"]
+    norm = block.post_attention_layernorm
+    _gate_up[(triton.cdiv(inter, bn), triton.cdiv(m, bm))](
+        x, norm.weight, w, out, m, h, inter, norm.eps, x.stride(0), w.stride(0), out.stride(0),
+        IEEE=x.dtype == torch.float32, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=TUNE["block_k"],
+        num_warps=TUNE["num_warps"], num_stages=TUNE["num_stages"],
+    )  # fmt: skip
+    return out
+
+
+def matmul_add(a, w, r) -> torch.Tensor:
+    """r + a @ w^T: a [M, K], w [N, K], r [M, N]."""
+    m, k = a.shape
+    n = w.shape[0]
+    out = torch.empty(m, n, device=a.device, dtype=a.dtype)
+    bm, bn = _block_m(m), TUNE["block_n"]
+    _matmul_add[(triton.cdiv(n, bn), triton.cdiv(m, bm))](
+        a, w, r, out, m, n, k, a.stride(0), w.stride(0), r.stride(0), out.stride(0),
+        IEEE=a.dtype == torch.float32, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=TUNE["block_k"],
+        num_warps=TUNE["num_warps"], num_stages=TUNE["num_stages"],
+    )  # fmt: skip
+    return out
+
+
+def fused_layer_step(block, x, cos, sin, kc, vc, rows, wpos, attn, rows_are_slots):
+    """ddserve.engine.static.layer_step (same arguments, same result up to accumulation
+    order) in four triton kernels plus attention."""
+    b, w = wpos.shape
+    q = qkv_rope(block, x, cos, sin, kc, vc, rows, wpos)
+    att = attend(q, kc, vc, rows, b, w, attn, rows_are_slots)
+    x = matmul_add(att, block.o_proj.weight, x)
+    return matmul_add(gate_up(block, x), block.down_proj.weight, x)
+
+
+def fusable(cfg) -> bool:
+    """Shapes the kernels take: a head's rotary halves are tl.dot operands (>= 16 wide, a
+    power of two)."""
+    return cfg.head_dim in (32, 64, 128, 256)
+
+
+def with_fused_layers(layer_fn):
+    """A layer function that runs forwards of at most FUSED_MAX_ROWS rows through the fused
+    kernels and wider ones through `layer_fn` (the compiled or eager reference)."""
+
+    def step(block, x, cos, sin, kc, vc, rows, wpos, attn, rows_are_slots):
+        if x.shape[0] <= FUSED_MAX_ROWS and fusable(block.cfg):
+            return fused_layer_step(block, x, cos, sin, kc, vc, rows, wpos, attn, rows_are_slots)
+        return layer_fn(block, x, cos, sin, kc, vc, rows, wpos, attn, rows_are_slots)
+
+    return step

@@ -1,0 +1,139 @@
+"""The fused layer kernels (ddserve.engine.layer_triton) equal the reference layer
+(ddserve.engine.static.layer_step): the layer's output and every key/value written into the
+pools, with and without q/k/v biases, for decode, tree and drafter-block shapes; and a static
+engine on them decodes token for token like one without (the DFlash drafter's layers too).
+Without a GPU the kernels run in triton's interpreter, as the attention kernel's tests do."""
+
+import os
+
+import pytest
+import torch
+
+CUDA = torch.cuda.is_available()
+_was = os.environ.get("TRITON_INTERPRET")
+if not CUDA:
+    os.environ["TRITON_INTERPRET"] = "1"
+pytest.importorskip("triton")
+from ddserve.config.engine import LiveParams  # noqa: E402
+from ddserve.engine import attention as A  # noqa: E402
+from ddserve.engine.dflash import DFlashDrafter  # noqa: E402
+from ddserve.engine.drafters import NoDrafter  # noqa: E402
+from ddserve.engine.layer_triton import fused_layer_step  # noqa: E402
+from ddserve.engine.llama import Block, LlamaConfig, Rotary  # noqa: E402
+from ddserve.engine.sampling import SamplingParams  # noqa: E402
+from ddserve.engine.static import fuse_weights, fused_layers_on, layer_step  # noqa: E402
+from ddserve.engine.static_engine import StaticEngine  # noqa: E402
+from ddserve.engine.weights import random_llama  # noqa: E402
+from ddserve.errors import ConfigError  # noqa: E402
+from tests.engine import test_attention  # noqa: E402,F401  (the interpreter's scalar patch)
+from tests.engine.test_batching import PROMPTS  # noqa: E402
+from tests.engine.test_lossless import random_dflash  # noqa: E402
+
+if _was is None:
+    os.environ.pop("TRITON_INTERPRET", None)
+
+DEV = "cuda" if CUDA else "cpu"
+DTYPES = [torch.float32] + ([torch.bfloat16] if CUDA else [])
+# hidden and intermediate sizes that are no multiple of the kernels' blocks (masked edges)
+CFG = dict(
+    vocab_size=512,
+    hidden_size=96,
+    intermediate_size=160,
+    num_layers=2,
+    num_heads=3,
+    num_kv_heads=1,
+    head_dim=32,
+    max_position=256,
+    bos_token_id=1,
+    eos_token_ids=(2,),
+)
+
+
+@pytest.fixture(autouse=True)
+def _interpreter(monkeypatch):
+    if not CUDA:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+def random_block(bias: bool, dtype, seed: int) -> Block:
+    torch.manual_seed(seed)
+    block = Block(LlamaConfig(**CFG, qkv_bias=bias))
+    with torch.no_grad():
+        for name, p in block.named_parameters():
+            p.copy_(torch.randn_like(p) * (0.5 if "norm" in name else 0.08) + ("norm" in name))
+    fuse_weights(block)
+    return block.to(DEV, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(
+    "b,w,mode,bias",
+    [
+        (1, 1, A.TREE, False),  # AR decode of one request
+        (3, 4, A.TREE, True),  # a tree per row, q/k/v biases (Qwen2)
+        (2, 9, A.FULL, False),  # the drafter's block
+        (5, 13, A.TREE, False),  # 65 rows: two row blocks of 64
+    ],
+)
+def test_fused_layer_equals_reference(b, w, mode, bias, dtype):
+    block = random_block(bias, dtype, seed=b * w)
+    c = block.cfg
+    gen = torch.Generator().manual_seed(7)
+    slots, length = 6, 64
+    pool = [
+        torch.randn(slots, c.num_kv_heads, length, c.head_dim, generator=gen).to(DEV, dtype)
+        for _ in range(2)
+    ]
+    x = torch.randn(b * w, c.hidden_size, generator=gen).to(DEV, dtype)
+    rows = torch.randperm(slots, generator=gen)[:b].to(DEV)
+    past = torch.randint(0, length - w - 1, (b,), generator=gen).to(DEV)
+    wpos = past[:, None] + torch.arange(w, device=DEV)[None, :]
+    cos, sin = Rotary(c.head_dim, 10000.0).to(DEV)(wpos.reshape(-1) + 3, dtype)
+    tree = torch.ones(b, w, w, dtype=torch.long, device=DEV).tril()
+    attn = A.plan("sdpa", past, mode, tree if mode == A.TREE else None, w, length, 3, dtype)
+    outs = {}
+    for name, fn in (("ref", layer_step), ("fused", fused_layer_step)):
+        kc, vc = (p.clone() for p in pool)
+        y = fn(block, x, cos, sin, kc, vc, rows, wpos, attn, True)
+        outs[name] = (y.float(), kc.float(), vc.float())
+    tol = 1e-4 if dtype == torch.float32 else 5e-2
+    for ref, mine in zip(outs["ref"], outs["fused"], strict=True):
+        assert (ref - mine).abs().max().item() < tol
+
+
+@pytest.mark.parametrize("drafter", ["none", "dflash"])
+def test_engine_on_fused_layers_decodes_like_the_reference(drafter):
+    """Static engines with and without the fused layers, same model (fp32): the same greedy
+    tokens and accept lengths (so the drafter's layers agree too), prompts prefilled through
+    torch (wide) then decoded in one batch, a late joiner included."""
+    model = random_llama(LlamaConfig(**CFG), seed=3).to(DEV)
+    params = LiveParams(budget=6, topk=2, window=8)
+    draft = random_dflash(model) if drafter == "dflash" else None
+    outs = {}
+    for fused in ("off", "on"):
+        d = DFlashDrafter(draft, model) if draft is not None else NoDrafter()
+        eng = StaticEngine(
+            model, d, 4, (), slots=4, max_context=128, graphs=CUDA, fused_layers=fused
+        )
+        assert eng.fused_layers == (fused == "on")
+        seqs = [eng.new_sequence(p, SamplingParams(max_tokens=10)) for p in PROMPTS[:4]]
+        eng.prefill_batch(seqs[:3])
+        eng.step_batch(seqs[:3], params)
+        eng.prefill(seqs[3])  # joins late
+        while not all(s.finished for s in seqs):
+            eng.step_batch([s for s in seqs if not s.finished], params)
+        outs[fused] = [(s.output, s.stats.accept_lengths) for s in seqs]
+    assert outs["on"] == outs["off"]
+
+
+def test_fused_layers_choice():
+    """auto: on with CUDA only (never the interpreter); on without CUDA or the interpreter is
+    a config error naming the fix; off is off."""
+    dev = torch.device(DEV)
+    assert fused_layers_on("off", dev) is False
+    assert fused_layers_on("auto", dev) is CUDA
+    if not CUDA:
+        assert fused_layers_on("on", dev) is True  # the interpreter is on (fixture)
+        del os.environ["TRITON_INTERPRET"]
+        with pytest.raises(ConfigError, match="--fused-layers auto or off"):
+            fused_layers_on("on", dev)
