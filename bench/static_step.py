@@ -7,8 +7,7 @@ replay time, host time around it, kernels per step, and the floors.
 
 For each mode (eager: no graph; graph: CUDA graph of the eager kernels; compile: CUDA graph
 of the torch.compile'd layers; fused: CUDA graph of the fused triton layers of
-ddserve.engine.layer_triton, compiled layers above its row limit; `fused:block_n=16:num_warps=2`
-sets its tuning) and (B, W): the GPU time of one step (CUDA events over 50
+ddserve.engine.layer_triton, compiled layers above its row limit) and (B, W): the GPU time of one step (CUDA events over 50
 replays), the full call as the engine makes it (pack inputs, copy, replay, read argmax back),
 the kernels one step launches (profiler, eager/compiled run), and the floor: weights + the
 KV entries attended, read once at the measured copy bandwidth. With several --context values
@@ -50,9 +49,6 @@ SMOLLM2 = LlamaConfig(
     rope_theta=100000.0,
     max_position=8192,
 )
-
-
-DEFAULT_TUNE: dict = {}
 
 
 def inputs(st: StaticTarget, b: int, w: int, length: int) -> np.ndarray:
@@ -137,16 +133,13 @@ def main() -> None:
     ap.add_argument("--modes", default="eager,graph,compile")
     ap.add_argument("--attention", default="sdpa", help="comma list: sdpa, triton")
     ap.add_argument("--prefill", default="", help="prompt lengths to time a prefill of")
+    ap.add_argument("--fused-tune", help="layer_kernels JSON: its best launch parameters")
     ap.add_argument("--name", default="static_step")
     ap.add_argument("--out", default="bench/results")
     a = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("ddserve.bench.static_step measures CUDA graphs: it needs a GPU")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    if any(m.startswith("fused") for m in a.modes.split(",")):
-        from ddserve.engine import layer_triton
-
-        DEFAULT_TUNE.update(layer_triton.TUNE)
     if a.model == "random-smollm2":
         model = random_llama(SMOLLM2).to("cuda", torch.bfloat16)
     else:
@@ -172,14 +165,15 @@ def main() -> None:
     prefills = [int(x) for x in a.prefill.split(",") if x]
     longest = max(contexts + prefills) + max(widths)
     for mode in a.modes.split(","):
-        layer_fn = compile_layer_step() if mode != "eager" and mode != "graph" else layer_step
-        if mode.startswith("fused"):  # fused[:block_n=16:num_warps=2...]: tuned variants
+        layer_fn = compile_layer_step() if mode in ("compile", "fused") else layer_step
+        if mode == "fused":
             from ddserve.engine import layer_triton
 
-            layer_triton.TUNE.update(DEFAULT_TUNE)
-            for kv in mode.split(":")[1:]:
-                k, v = kv.split("=")
-                layer_triton.TUNE[k] = int(v)
+            if a.fused_tune:  # the best launch parameters of a bench.layer_kernels run
+                for res in json.loads(Path(a.fused_tune).read_text())["rows"].values():
+                    for k, v in res.get("best", {}).items():
+                        layer_triton.TUNE[(k, res["block_m"])] = tuple(v)
+                result["fused_tune"] = {str(k): v for k, v in layer_triton.TUNE.items()}
             layer_fn = layer_triton.with_fused_layers(layer_fn)
         for attn in a.attention.split(","):
             st = StaticTarget(
@@ -203,7 +197,7 @@ def main() -> None:
                         (out / f"{a.name}.json").write_text(json.dumps(result, indent=1))
             del st
             torch.cuda.empty_cache()
-            if prefills and not mode.startswith("fused"):  # prefill is wide: never fused
+            if prefills and mode != "fused":  # prefill is wide: never fused
                 result.setdefault("prefill", []).extend(
                     time_prefill(model, mode, attn, prefills, longest)
                 )

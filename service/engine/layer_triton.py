@@ -14,10 +14,13 @@ kernels of 1-10 us (norms, four GEMMs, RoPE, cache writes, layout copies, SiLU x
     matmul_add    x + act @ Wd^T
 
 Each program takes BLOCK_M rows and BLOCK_N output columns and loops over the input in
-BLOCK_K steps (tl.dot: tensor cores in bf16, IEEE fp32 in fp32). RMSNorm is recomputed per
-program from its rows (a few KB, from L2). Values are rounded to the model's dtype where the
-reference (ddserve.engine.static.layer_step) rounds them: after each projection, the norm's
-output, SiLU, each product and sum; so in bf16 the two differ only by accumulation order.
+BLOCK_K steps (tl.dot: tensor cores in bf16, IEEE fp32 in fp32); few, wide steps, because
+at these sizes a step's cost is its memory latency, not its bytes. RMSNorm is folded in:
+the program multiplies x by the norm's weight as it loads it, sums x^2 on the way, and
+scales the product by each row's 1/rms after the loop (no pass of its own). Outputs are
+rounded to the model's dtype where the reference (ddserve.engine.static.layer_step) rounds
+them (after each projection, RoPE's products and sum, SiLU, gate x up, the residual adds);
+in fp32 the two agree to accumulation order, in bf16 also the norm rounds at another point.
 The reference stays the tests' oracle and the path for wide forwards (prefill chunks).
 """
 
@@ -29,29 +32,19 @@ import triton.language as tl
 
 from ddserve.engine.attention import attend
 
-FUSED_MAX_ROWS = 64  # wider forwards (prefill chunks, big trees) go through torch
+# wider forwards go through torch: measured on the H200 (bench/NOTES.md), the fused layer
+# wins up to 16 rows (32.8 vs 34.8 us per layer at 1 row) and ties at 64 (41.8 vs 41.6)
+FUSED_MAX_ROWS = 16
 
 
 @triton.jit
-def _rstd(X, sx, m, m_ok, H, eps, BLOCK_K: tl.constexpr):
-    """1 / sqrt(mean(x^2) + eps) of rows m of X [M, H], fp32 [BLOCK_M]."""
-    acc = tl.zeros([m.shape[0]], tl.float32)
-    for k0 in range(0, H, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(
-            X + m[:, None] * sx + k[None, :], mask=m_ok[:, None] & (k < H)[None, :], other=0.0
-        )
-        x = x.to(tl.float32)
-        acc += tl.sum(x * x, 1)
-    return 1.0 / tl.sqrt(acc / H + eps)
-
-
-@triton.jit
-def _normed(X, sx, G, m, m_ok, k, H, rstd):
-    """RMSNorm(x)[m, k] as the reference rounds it: (x * rstd) in the model's dtype, times g."""
+def _x_chunk(X, sx, G, m, m_ok, k, H):
+    """Rows m, columns k of X [M, H]: x * g in the model's dtype (the norm's weight; the
+    row's 1/rms scales the product after the matmul) and x^2 summed over k (fp32)."""
     x = tl.load(X + m[:, None] * sx + k[None, :], mask=m_ok[:, None] & (k < H)[None, :], other=0.0)
     g = tl.load(G + k, mask=k < H, other=0.0)
-    return (x.to(tl.float32) * rstd[:, None]).to(x.dtype) * g[None, :]
+    xf = x.to(tl.float32)
+    return (xf * g[None, :].to(tl.float32)).to(x.dtype), tl.sum(xf * xf, 1)
 
 
 @triton.jit
@@ -75,18 +68,22 @@ def _qkv_rope(
     m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     m_ok = m < M
     j = tl.arange(0, HALF)
-    rstd = _rstd(X, sx, m, m_ok, H, eps, BLOCK_K)
     col = pid_h * HD + j  # the head's first rotary half; the second is col + HALF
     lo = tl.zeros([BLOCK_M, HALF], tl.float32)
     hi = tl.zeros([BLOCK_M, HALF], tl.float32)
+    ss = tl.zeros([BLOCK_M], tl.float32)
     for k0 in range(0, H, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
-        h = _normed(X, sx, NW, m, m_ok, k, H, rstd)
+        h, sq = _x_chunk(X, sx, NW, m, m_ok, k, H)
+        ss += sq
         k_ok = (k < H)[None, :]
         w_lo = tl.load(Wqkv + col[:, None] * sw + k[None, :], mask=k_ok, other=0.0)
         w_hi = tl.load(Wqkv + (col + HALF)[:, None] * sw + k[None, :], mask=k_ok, other=0.0)
         lo += _dot(h, tl.trans(w_lo), IEEE)
         hi += _dot(h, tl.trans(w_hi), IEEE)
+    rstd = (1.0 / tl.sqrt(ss / H + eps))[:, None]
+    lo = lo * rstd
+    hi = hi * rstd
     dt = Q.dtype.element_ty
     lo = lo.to(dt)
     hi = hi.to(dt)
@@ -133,17 +130,21 @@ def _gate_up(
     m_ok = m < M
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < INTER
-    rstd = _rstd(X, sx, m, m_ok, H, eps, BLOCK_K)
     g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    ss = tl.zeros([BLOCK_M], tl.float32)
     for k0 in range(0, H, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
-        h = _normed(X, sx, NW, m, m_ok, k, H, rstd)
+        h, sq = _x_chunk(X, sx, NW, m, m_ok, k, H)
+        ss += sq
         wmask = n_ok[:, None] & (k < H)[None, :]
         w_g = tl.load(Wgu + n[:, None] * sw + k[None, :], mask=wmask, other=0.0)
         w_u = tl.load(Wgu + (n + INTER)[:, None] * sw + k[None, :], mask=wmask, other=0.0)
         g += _dot(h, tl.trans(w_g), IEEE)
         u += _dot(h, tl.trans(w_u), IEEE)
+    rstd = (1.0 / tl.sqrt(ss / H + eps))[:, None]
+    g = g * rstd
+    u = u * rstd
     dt = Out.dtype.element_ty
     g = g.to(dt).to(tl.float32)
     act = (g / (1.0 + tl.exp(-g))).to(dt) * u.to(dt)  # silu(gate) * up
@@ -181,8 +182,28 @@ def _block_m(m: int) -> int:
     return 16 if m <= 16 else (32 if m <= 32 else 64)
 
 
-# output columns per program of the two plain matmuls and of gate/up (benchmarks may tune)
-TUNE = {"block_n": 32, "block_k": 64, "num_warps": 4, "num_stages": 2}
+# Launch parameters per kernel and row block: (block_n, block_k, num_warps, num_stages);
+# block_n is the head's for qkv. Measured per kernel on the H200 with
+# `python -m ddserve.bench.layer_kernels` (SmolLM2's shapes); TUNE overrides (benchmarks).
+DEFAULTS = {
+    ("qkv", 16): (0, 256, 4, 1),
+    ("gate_up", 16): (16, 128, 4, 3),
+    ("o", 16): (16, 128, 4, 3),
+    ("down", 16): (16, 512, 4, 3),
+    ("qkv", 64): (0, 256, 8, 1),
+    ("gate_up", 64): (16, 256, 8, 1),
+    ("o", 64): (16, 128, 4, 3),
+    ("down", 64): (16, 256, 4, 3),
+}
+TUNE: dict[tuple[str, int], tuple[int, int, int, int]] = {}
+
+
+def launch_params(kernel: str, bm: int) -> tuple[int, int, int, int]:
+    """(block_n, block_k, num_warps, num_stages) of `kernel` at row block `bm`: TUNE's, else
+    the measured default of that block (32 rows: the 64-row block's)."""
+    if (kernel, bm) in TUNE:
+        return TUNE[(kernel, bm)]
+    return DEFAULTS[(kernel, 16 if bm <= 16 else 64)]
 
 
 def qkv_rope(block, x, cos, sin, kc, vc, rows, wpos) -> torch.Tensor:
@@ -193,6 +214,7 @@ def qkv_rope(block, x, cos, sin, kc, vc, rows, wpos) -> torch.Tensor:
     nh, kvh, hd = c.num_heads, c.num_kv_heads, c.head_dim
     q = torch.empty(m, nh, hd, device=x.device, dtype=x.dtype)
     bm = _block_m(m)
+    _, bk, warps, stages = launch_params("qkv", bm)
     w = block.qkv_weight
     bias = block.qkv_bias
     assert kc.stride() == vc.stride() and kc.stride(3) == 1, "K and V pools share one layout"
@@ -203,8 +225,7 @@ def qkv_rope(block, x, cos, sin, kc, vc, rows, wpos) -> torch.Tensor:
         x.stride(0), w.stride(0), cos.stride(0), q.stride(0), q.stride(1),
         kc.stride(0), kc.stride(1), kc.stride(2),
         HD=hd, HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32,
-        BLOCK_M=bm, BLOCK_K=TUNE["block_k"],
-        num_warps=TUNE["num_warps"], num_stages=TUNE["num_stages"],
+        BLOCK_M=bm, BLOCK_K=bk, num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return q
 
@@ -215,26 +236,28 @@ def gate_up(block, x) -> torch.Tensor:
     w = block.gate_up_weight
     inter = w.shape[0] // 2
     out = torch.empty(m, inter, device=x.device, dtype=x.dtype)
-    bm, bn = _block_m(m), TUNE["block_n"]
+    bm = _block_m(m)
+    bn, bk, warps, stages = launch_params("gate_up", bm)
     norm = block.post_attention_layernorm
     _gate_up[(triton.cdiv(inter, bn), triton.cdiv(m, bm))](
         x, norm.weight, w, out, m, h, inter, norm.eps, x.stride(0), w.stride(0), out.stride(0),
-        IEEE=x.dtype == torch.float32, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=TUNE["block_k"],
-        num_warps=TUNE["num_warps"], num_stages=TUNE["num_stages"],
+        IEEE=x.dtype == torch.float32, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+        num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return out
 
 
-def matmul_add(a, w, r) -> torch.Tensor:
-    """r + a @ w^T: a [M, K], w [N, K], r [M, N]."""
+def matmul_add(a, w, r, kernel: str) -> torch.Tensor:
+    """r + a @ w^T: a [M, K], w [N, K], r [M, N]; `kernel` names its launch parameters."""
     m, k = a.shape
     n = w.shape[0]
     out = torch.empty(m, n, device=a.device, dtype=a.dtype)
-    bm, bn = _block_m(m), TUNE["block_n"]
+    bm = _block_m(m)
+    bn, bk, warps, stages = launch_params(kernel, bm)
     _matmul_add[(triton.cdiv(n, bn), triton.cdiv(m, bm))](
         a, w, r, out, m, n, k, a.stride(0), w.stride(0), r.stride(0), out.stride(0),
-        IEEE=a.dtype == torch.float32, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=TUNE["block_k"],
-        num_warps=TUNE["num_warps"], num_stages=TUNE["num_stages"],
+        IEEE=a.dtype == torch.float32, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+        num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return out
 
@@ -245,8 +268,8 @@ def fused_layer_step(block, x, cos, sin, kc, vc, rows, wpos, attn, rows_are_slot
     b, w = wpos.shape
     q = qkv_rope(block, x, cos, sin, kc, vc, rows, wpos)
     att = attend(q, kc, vc, rows, b, w, attn, rows_are_slots)
-    x = matmul_add(att, block.o_proj.weight, x)
-    return matmul_add(gate_up(block, x), block.down_proj.weight, x)
+    x = matmul_add(att, block.o_proj.weight, x, "o")
+    return matmul_add(gate_up(block, x), block.down_proj.weight, x, "down")
 
 
 def fusable(cfg) -> bool:

@@ -61,8 +61,9 @@ def random_block(bias: bool, dtype, seed: int) -> Block:
     with torch.no_grad():
         for name, p in block.named_parameters():
             p.copy_(torch.randn_like(p) * (0.5 if "norm" in name else 0.08) + ("norm" in name))
-    fuse_weights(block)
-    return block.to(DEV, dtype)
+    block = block.to(DEV, dtype)
+    fuse_weights(block)  # after the move: the fused matrices are plain tensors
+    return block
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

@@ -1,0 +1,196 @@
+"""The fused layer kernels (ddserve.engine.layer_triton) one by one, on the GPU: each kernel's
+time per launch for every launch-parameter set of a grid, at the row counts of decode and
+verify, next to torch's compiled layer; the best set per (kernel, row block) is what
+layer_triton.DEFAULTS should hold.
+
+    python -m ddserve.bench.layer_kernels [--rows 1,64] [--layers 30] [--name layer_kernels]
+
+Every timing is a CUDA graph of one launch per layer, each layer its own weights (SmolLM2's
+shapes, random, bf16), so weights stream from memory as in a real step rather than sit in
+L2; replayed 20 times, per launch. Then whole layers (qkv + attention + o + gate/up + down)
+with the defaults and with the best sets, against the torch.compile'd reference layer.
+Writes NAME.json under --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from ddserve.bench.static_step import SMOLLM2
+from ddserve.engine import layer_triton as lt
+from ddserve.engine.attention import TREE, plan
+from ddserve.engine.llama import Block, Rotary
+from ddserve.engine.static import compile_layer_step, fuse_weights
+
+GRID = {
+    "qkv": dict(bn=[0], bk=[128, 256, 1024], warps=[4, 8], stages=[1, 3]),
+    "gate_up": dict(bn=[16, 32], bk=[128, 256, 1024], warps=[4, 8], stages=[1, 3]),
+    "o": dict(bn=[16, 32], bk=[128, 256, 1024], warps=[4, 8], stages=[1, 3]),
+    "down": dict(bn=[16, 32], bk=[128, 256, 512], warps=[4, 8], stages=[1, 3]),
+    # attention (ddserve.engine.attention_triton.launch): bn = key splits, bk = BLOCK_N
+    "attn": dict(bn=[1, 2, 4], bk=[32, 64, 128], warps=[2, 4], stages=[1, 2]),
+}
+
+
+def graph_ms(fn, reps: int = 20) -> float:
+    """Per-call GPU time of `fn` (one launch per layer inside), as a CUDA graph."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    g.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        g.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / reps
+
+
+class Layers:
+    def __init__(self, n_layers: int, rows: int, ctx: int = 256):
+        cfg = SMOLLM2
+        self.blocks = []
+        for i in range(n_layers):
+            torch.manual_seed(i)
+            b = Block(cfg).to("cuda", torch.bfloat16)
+            with torch.no_grad():
+                for p in b.parameters():
+                    p.normal_(0, 0.02)
+                b.input_layernorm.weight.fill_(1.0)
+                b.post_attention_layernorm.weight.fill_(1.0)
+            fuse_weights(b)
+            self.blocks.append(b)
+        dev, dt = "cuda", torch.bfloat16
+        shape = (64, cfg.num_kv_heads, 1024, cfg.head_dim)
+        self.kc = [torch.randn(shape, device=dev, dtype=dt) for _ in range(n_layers)]
+        self.vc = [torch.randn(shape, device=dev, dtype=dt) for _ in range(n_layers)]
+        self.x = torch.randn(rows, cfg.hidden_size, device=dev, dtype=dt)
+        self.att = torch.randn(rows, cfg.num_heads * cfg.head_dim, device=dev, dtype=dt)
+        self.act = torch.randn(rows, cfg.intermediate_size, device=dev, dtype=dt)
+        self.rows = torch.arange(rows, device=dev)  # B = rows, W = 1 (decode)
+        past = torch.full((rows,), ctx, device=dev)
+        self.wpos = past[:, None]
+        self.cos, self.sin = Rotary(cfg.head_dim, cfg.rope_theta).to(dev)(past, dt)
+        tree = torch.ones(rows, 1, 1, dtype=torch.long, device=dev)
+        groups = cfg.num_heads // cfg.num_kv_heads
+        self.attn = plan("triton", past, TREE, tree, 1, 512, groups, dt)
+        self.q = torch.randn(rows, cfg.num_heads, cfg.head_dim, device=dev, dtype=dt)
+
+    def kernel(self, name: str):
+        def qkv():
+            for b, kc, vc in zip(self.blocks, self.kc, self.vc, strict=True):
+                lt.qkv_rope(b, self.x, self.cos, self.sin, kc, vc, self.rows, self.wpos)
+
+        def gate_up():
+            for b in self.blocks:
+                lt.gate_up(b, self.x)
+
+        def o():
+            for b in self.blocks:
+                lt.matmul_add(self.att, b.o_proj.weight, self.x, "o")
+
+        def down():
+            for b in self.blocks:
+                lt.matmul_add(self.act, b.down_proj.weight, self.x, "down")
+
+        def attn():  # the engine's own parameters unless TUNE names a set
+            from ddserve.engine.attention_triton import launch
+
+            splits, bn, warps, stages = lt.TUNE.get(("attn", 0), (None, 64, 4, 2))
+            for kc, vc in zip(self.kc, self.vc, strict=True):
+                a = self.attn
+                launch(
+                    self.q, kc, vc, self.rows, a.past, a.tree, None, 1, TREE, 512, splits,
+                    block_n=bn, num_warps=warps, num_stages=stages,
+                )  # fmt: skip
+
+        return {"qkv": qkv, "gate_up": gate_up, "o": o, "down": down, "attn": attn}[name]
+
+    def layers(self, fn):
+        def run():
+            x = self.x
+            for b, kc, vc in zip(self.blocks, self.kc, self.vc, strict=True):
+                x = fn(b, x, self.cos, self.sin, kc, vc, self.rows, self.wpos, self.attn, True)
+
+        return run
+
+
+@torch.inference_mode()
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rows", default="1,64")
+    ap.add_argument("--layers", type=int, default=30)
+    ap.add_argument("--name", default="layer_kernels")
+    ap.add_argument("--out", default="bench/results")
+    ap.add_argument("--verbose", action="store_true", help="every timing, not only the best")
+    a = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("ddserve.bench.layer_kernels times GPU kernels: it needs a GPU")
+    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": {}}
+    compiled = compile_layer_step()
+    for rows in (int(r) for r in a.rows.split(",")):
+        bm = lt._block_m(rows)
+        L = Layers(a.layers, rows)
+        res = result["rows"][rows] = {"block_m": bm, "kernels": {}}
+        best = {}
+        for name, grid in GRID.items():
+            timings = []
+            for bn, bk, warps, stages in itertools.product(*grid.values()):
+                if bm == 64 and bk > 256:  # the x tile would not fit in registers
+                    continue
+                lt.TUNE[(name, bm) if name != "attn" else ("attn", 0)] = (bn, bk, warps, stages)
+                t0 = time.perf_counter()
+                try:
+                    ms = graph_ms(L.kernel(name)) / a.layers * 1e3
+                except Exception:  # noqa: BLE001 - a set that does not compile (shared memory)
+                    continue
+                timings.append({"params": [bn, bk, warps, stages], "us": round(ms, 2)})
+                if a.verbose:
+                    print(
+                        f"rows {rows:3d} {name:8s} bn {bn:3d} bk {bk:5d} warps {warps} "
+                        f"stages {stages}: {ms:6.2f} us  ({time.perf_counter() - t0:.1f} s)",
+                        flush=True,
+                    )
+            lt.TUNE.pop((name, bm), None)
+            lt.TUNE.pop(("attn", 0), None)
+            timings.sort(key=lambda t: t["us"])
+            best[name] = tuple(timings[0]["params"])
+            res["kernels"][name] = timings
+            print(f"rows {rows} {name}: best {timings[:3]}", flush=True)
+            save(result, a)
+        # whole layers: compiled reference, fused with the defaults, fused with the best sets
+        per_layer = {}
+        per_layer["compile"] = graph_ms(L.layers(compiled)) / a.layers * 1e3
+        per_layer["fused_defaults"] = graph_ms(L.layers(lt.fused_layer_step)) / a.layers * 1e3
+        lt.TUNE.update({(k, bm): v for k, v in best.items() if k != "attn"})
+        per_layer["fused_best"] = graph_ms(L.layers(lt.fused_layer_step)) / a.layers * 1e3
+        lt.TUNE.clear()
+        res["best"] = {k: list(v) for k, v in best.items()}
+        res["layer_us"] = {k: round(v, 2) for k, v in per_layer.items()}
+        print(f"rows {rows}: best {best}; per layer (us) {res['layer_us']}", flush=True)
+        save(result, a)
+    return 0
+
+
+def save(result: dict, a) -> None:
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{a.name}.json").write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
