@@ -124,7 +124,9 @@ class CoreBackend:
         self._dead: EngineUnavailable | None = None
         self._tasks: list[asyncio.Task] = []
         self._ctx = zmq.asyncio.Context()
-        self._push = self._ctx.socket(zmq.PUSH)
+        # sends are plain non-blocking calls (no HWM: they never wait), not asyncio futures:
+        # at a burst of arrivals the future machinery cost more than the send itself
+        self._push = zmq.Context.shadow(self._ctx.underlying).socket(zmq.PUSH)
         self._pull = self._ctx.socket(zmq.PULL)
         self._push.setsockopt(zmq.SNDHWM, 0)
         self._pull.setsockopt(zmq.RCVHWM, 0)
@@ -236,6 +238,12 @@ class CoreBackend:
         if self.on_death is not None:
             self.on_death(exc.message)
 
+    def _send(self, msg: list) -> None:
+        try:
+            self._push.send(ipc.pack(msg), zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            raise EngineUnavailable(f"engine core channel: {exc}") from exc
+
     def alive(self) -> bool:
         return self._dead is None and self.process.alive()
 
@@ -245,7 +253,7 @@ class CoreBackend:
         call_id = next(self._ids)
         fut = asyncio.get_running_loop().create_future()
         self._calls[call_id] = fut
-        await self._push.send(ipc.pack([ipc.CALL, call_id, method, args]))
+        self._send([ipc.CALL, call_id, method, args])
         try:
             status, payload = await asyncio.wait_for(fut, timeout)
         except TimeoutError as exc:
@@ -266,7 +274,7 @@ class CoreBackend:
         ts = TextStream(self.tokenizer, sampling)
         finished = False
         try:
-            await self._push.send(ipc.pack([ipc.ADD, rid, prompt, ipc.sampling_to_wire(sampling)]))
+            self._send([ipc.ADD, rid, prompt, ipc.sampling_to_wire(sampling)])
             while True:
                 entries = [await s.queue.get()]
                 while not s.queue.empty():  # coalesce: everything that is here already
@@ -314,8 +322,8 @@ class CoreBackend:
         finally:
             self._streams.pop(rid, None)
             if not finished and self._dead is None:
-                with contextlib.suppress(zmq.ZMQError):
-                    self._push.send(ipc.pack([ipc.ABORT, rid]), zmq.NOBLOCK)
+                with contextlib.suppress(EngineUnavailable):
+                    self._send([ipc.ABORT, rid])
 
     async def check_health(self, timeout: float = 60.0) -> float:
         """A real generation of one token with the live sampling defaults."""

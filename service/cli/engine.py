@@ -205,11 +205,22 @@ def run_engine(a: argparse.Namespace) -> None:
         max_requests=a.max_requests or None,
     )
     try:
-        code = asyncio.run(_serve(a, config, sock, admin_token, key, limits))
+        with asyncio.Runner(loop_factory=event_loop_factory()) as runner:
+            code = runner.run(_serve(a, config, sock, admin_token, key, limits))
     finally:
         sock.close()
     if code:
         raise EngineUnavailable("the engine core exited; the server stopped (see the log above)")
+
+
+def event_loop_factory():
+    """uvloop's event loop where it is installed (uvicorn[standard] brings it; vLLM's and
+    SGLang's API servers run on it too, and Ray's workers install it), else asyncio's."""
+    try:
+        import uvloop
+    except ImportError:
+        return None
+    return uvloop.new_event_loop
 
 
 async def _serve(a, config: EngineConfig, sock, admin_token, key, limits) -> int:
@@ -218,7 +229,7 @@ async def _serve(a, config: EngineConfig, sock, admin_token, key, limits) -> int
     core died under it (a supervisor restarts the whole server)."""
     import uvicorn
 
-    from ddserve.api.app import create_app
+    from ddserve.api.app import create_app, freeze_startup_heap
     from ddserve.backends.core import CoreBackend
     from ddserve.engine.weights import load_tokenizer
 
@@ -261,6 +272,7 @@ async def _serve(a, config: EngineConfig, sock, admin_token, key, limits) -> int
             uvicorn.Config(app, host=a.host, port=a.port, log_level=a.log_level, access_log=False)
         )
         if not died:
+            freeze_startup_heap()
             await server.serve(sockets=[sock])
     finally:
         await backend.aclose()

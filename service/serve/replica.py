@@ -26,7 +26,7 @@ import httpx
 import ray
 from ray import serve
 
-from ddserve.api.app import create_app
+from ddserve.api.app import create_app, freeze_startup_heap
 from ddserve.api.observability import MeteredBackend, drafter_depth
 from ddserve.api.text import encode
 from ddserve.backends.core import CoreBackend
@@ -83,6 +83,7 @@ class EngineReplica:
             raise
         self.healthy_at = time.time()
         self._watchdog = asyncio.get_running_loop().create_task(self._watch_engine())
+        freeze_startup_heap()
         log.info(
             "replica %s ready: engine pid %s at %s, fingerprint %s",
             self.replica_id,
