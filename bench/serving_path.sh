@@ -8,9 +8,12 @@
 # AR is the same engine with budget 0 (`/admin/params`, `ddserve reconfig set`), so every
 # path runs the same weights and graphs.
 #
-#   bench/serving_path.sh OUT [inproc] [http] [ray-proxy] [ray-haproxy]
+#   bench/serving_path.sh OUT [inproc] [http] [http-ref] [ray-proxy] [ray-haproxy]
 # env: PY (python), LEVELS (1,16,64,128), REQ (requests per level, at least 2C is used),
-#      DEVICE (cuda), MAXB (KV slots: the largest level), PROMPTS (mixed)
+#      DEVICE (cuda), MAXB (KV slots: the largest level), PROMPTS (mixed),
+#      BUDGETS ("16 0": DDTree b16/k4, then AR; "0": AR only),
+#      REF_PYTHONPATH (http-ref: `ddserve engine` from another checkout's import root, e.g. the
+#      code before a change, measured in the same run as http)
 # then: python -m ddserve.bench.serving_path_report OUT   (table, JSON, PNG)
 set -u
 out=$1
@@ -23,6 +26,7 @@ device=${DEVICE:-cuda}
 maxb=${MAXB:-128}
 prompts=${PROMPTS:-mixed}
 tokens=${TOKENS:-128}
+budgets=${BUDGETS:-16 0}
 export DDSERVE_ADMIN_TOKEN=${DDSERVE_ADMIN_TOKEN:-serving-path-bench}
 mkdir -p "$out"
 
@@ -41,27 +45,34 @@ for part in $parts; do
     SECONDS=0
     case $part in
     inproc)
-        $py -m ddserve.bench.engine_load --device "$device" --configs dflash-b16k4,dflash-b0 \
+        configs=$(for b in $budgets; do [ "$b" = 0 ] && echo dflash-b0 || echo "dflash-b${b}k4"; done | paste -sd,)
+        $py -m ddserve.bench.engine_load --device "$device" --configs "$configs" \
             --spec-max-batch 2 --concurrency "$levels" --requests "$req" --max-tokens "$tokens" \
             --prompt-set "$prompts" --name inproc --out "$out"
         ;;
-    http)
+    http | http-ref)
         port=30111
-        $py -m ddserve engine --port $port --device "$device" --drafter dflash --budget 16 --topk 4 \
-            --max-batch "$maxb" --spec-max-batch 2 >"$out/http-engine.log" 2>&1 &
+        pp=${PYTHONPATH:-}
+        [ $part = http-ref ] && pp=$REF_PYTHONPATH:$pp
+        PYTHONPATH=$pp $py -m ddserve engine --port $port --device "$device" --drafter dflash \
+            --budget 16 --topk 4 --max-batch "$maxb" --spec-max-batch 2 >"$out/$part-engine.log" 2>&1 &
         pid=$!
         if wait_url "http://127.0.0.1:$port"; then
-            echo "http: engine ready after ${SECONDS}s"
-            bench_levels "http://127.0.0.1:$port" "$out/http-b16k4"
-            $py - $port <<'PY'
+            echo "$part: engine ready after ${SECONDS}s"
+            for b in $budgets; do
+                if [ "$b" != 16 ]; then
+                    $py - $port "$b" <<'PY'
 import os, sys, httpx
-r = httpx.post(f"http://127.0.0.1:{sys.argv[1]}/admin/params", json={"budget": 0},
+r = httpx.post(f"http://127.0.0.1:{sys.argv[1]}/admin/params", json={"budget": int(sys.argv[2])},
                headers={"Authorization": "Bearer " + os.environ["DDSERVE_ADMIN_TOKEN"]})
-print("budget 0:", r.status_code, r.text[:200])
+print("budget", sys.argv[2], r.status_code, r.text[:200])
 PY
-            bench_levels "http://127.0.0.1:$port" "$out/http-b0"
+                fi
+                name=$([ "$b" = 0 ] && echo b0 || echo "b${b}k4")
+                bench_levels "http://127.0.0.1:$port" "$out/$part-$name"
+            done
         else
-            echo "http: engine did not come up"; tail -5 "$out/http-engine.log"
+            echo "$part: engine did not come up"; tail -5 "$out/$part-engine.log"
         fi
         kill $pid; wait $pid 2>/dev/null
         ;;
