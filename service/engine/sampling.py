@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 # Below this temperature sampling is greedy decoding: T -> 0 is argmax in the limit, and far
@@ -80,6 +81,118 @@ def target_tokens(
         return logits.argmax(dim=-1)
     probs = filtered_probs(logits, params.temperature, params.top_p, params.top_k)
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+@dataclass
+class SampleGroup:
+    """One request's rows of a forward to sample: rows [row, row + n), its parameters, its
+    logit_bias as a [V] vector (or None) and its random generator."""
+
+    row: int
+    n: int
+    params: SamplingParams
+    bias: torch.Tensor | None
+    generator: torch.Generator | None
+
+
+def sample_inputs(groups: list[SampleGroup]) -> np.ndarray:
+    """The rows and per-row parameters of `groups`, packed for one host->device copy:
+    float64 [R, 4] = (row, temperature, top_p, top_k)."""
+    out = np.empty((sum(g.n for g in groups), 4))
+    at = 0
+    for g in groups:
+        out[at : at + g.n, 0] = np.arange(g.row, g.row + g.n)
+        out[at : at + g.n, 1:] = (g.params.temperature, g.params.top_p, g.params.top_k)
+        at += g.n
+    return out
+
+
+def sample_rows(
+    logits: torch.Tensor, groups: list[SampleGroup], inputs: torch.Tensor | None = None
+):
+    """The target's sampled token at the rows of several requests at once, on the device and
+    with no sync (the engine reads them back with the verify's argmax, in one copy):
+    (rows [R], tokens [R], ok [R]). Each request keeps its own temperature, top-k, top-p,
+    bias and generator; `ok` is False at a row whose distribution is not finite (a request
+    that fails there fails alone). Sampling is the exponential race: with E_i ~ Exp(1) drawn
+    by the request's generator, argmax_i p_i / E_i is token i with probability p_i — the same
+    distribution as a multinomial draw, for every row at once. `inputs`: sample_inputs(groups)
+    already on the device (the engine copies it without a sync), else copied here."""
+    # logits: [N, V]  inputs: [R, 4]
+    dev, vocab = logits.device, logits.shape[-1]
+    if inputs is None:
+        inputs = torch.from_numpy(sample_inputs(groups)).to(dev)
+    rows = inputs[:, 0].long()
+    lg = logits.index_select(0, rows).float()  # [R, V]
+    at = 0
+    for g in groups:
+        if g.bias is not None:
+            lg[at : at + g.n] += g.bias
+        at += g.n
+    top_k = any(0 < g.params.top_k < vocab for g in groups)
+    top_p = any(g.params.top_p < 1.0 for g in groups)
+    probs = filtered_probs_rows(lg, inputs[:, 1:], top_k, top_p)
+    race = torch.empty_like(probs)
+    at = 0
+    for g in groups:
+        race[at : at + g.n].exponential_(generator=g.generator)
+        at += g.n
+    tokens = (probs / race.clamp_min_(1e-30)).argmax(-1)
+    ok = torch.isfinite(probs).all(-1) & (probs.sum(-1) > 0)
+    return rows, tokens, ok
+
+
+class BatchSampler:
+    """sample_rows for the engine's verify: `into(top, logits, groups)` turns the verify's
+    [2, N] (argmax, finite) into [3, N] — the sampled requests' rows hold their samples, the
+    new row whether each sample's distribution was finite (1 elsewhere) — so one device->host
+    copy brings every request's tokens back. The packed inputs go up through `staging`
+    (ddserve.engine.static.Staging: a pinned buffer, no sync) into a buffer made once for
+    `max_rows` rows."""
+
+    def __init__(self, max_rows: int, staging):
+        self.max_rows, self.staging = max_rows, staging
+        self.buf: torch.Tensor | None = None
+
+    def into(self, top: torch.Tensor, logits: torch.Tensor, groups: list[SampleGroup]):
+        packed = sample_inputs(groups)
+        if self.buf is None:
+            self.buf = torch.zeros(self.max_rows * 4, dtype=torch.float64, device=logits.device)
+        self.staging.copy(self.buf, packed)
+        rows, tokens, ok = sample_rows(logits, groups, self.buf[: packed.size].view(-1, 4))
+        top = torch.cat([top, torch.ones_like(top[:1])])
+        top[0, rows] = tokens
+        top[2, rows] = ok.long()
+        return top
+
+
+def filtered_probs_rows(
+    logits: torch.Tensor, params: torch.Tensor, top_k: bool, top_p: bool
+) -> torch.Tensor:
+    """`filtered_probs` with each row's own parameters: params [R, 3] = (temperature, top_p,
+    top_k) per row; `top_k`/`top_p`: whether any row filters so (known on the host: no sync).
+    Row for row the same distribution as `filtered_probs` with that row's values."""
+    # logits: [R, V]  params: [R, 3]
+    vocab = logits.shape[-1]
+    logits = logits / params[:, :1].float()
+    if top_k:  # keep logits >= the row's k-th largest (ties at the k-th kept), k off at 0 or >= V
+        k = params[:, 2].long()
+        on = (k > 0) & (k < vocab)
+        kth = logits.sort(dim=-1, descending=True).values.gather(
+            1, (k.clamp(1, vocab) - 1)[:, None]
+        )
+        kth = torch.where(on[:, None], kth, torch.full_like(kth, float("-inf")))
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if top_p:  # the smallest prefix whose mass reaches the row's top_p (the first always stays)
+        p = params[:, 1:2].float()
+        sorted_p, order = torch.sort(probs, dim=-1, descending=True)
+        drop_sorted = ((sorted_p.cumsum(-1) - sorted_p) >= p) & (p < 1.0)
+        drop_sorted[:, 0] = False
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        kept = probs.masked_fill(drop, 0.0)
+        probs = torch.where(p < 1.0, kept / kept.sum(-1, keepdim=True), probs)
+    return probs
 
 
 def bias_vector(pairs: tuple[tuple[int, float], ...], vocab: int, device) -> torch.Tensor | None:

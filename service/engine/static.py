@@ -260,14 +260,16 @@ def compile_layer_step():
     return torch.compile(layer_step, dynamic=True)
 
 
-def fused_layers_on(choice: str, device: torch.device) -> bool:
-    """Whether the fused layer kernels (ddserve.engine.layer_triton) run: auto = with CUDA
-    when triton's kernels run there (as the attention backend decides); on = wherever triton
-    runs (on CPU only in its interpreter: the tests), else a config error naming the fix."""
+def fused_layers_on(choice: str, device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether the fused layer kernels (ddserve.engine.layer_triton) run: auto = with CUDA in
+    bf16/fp16 when triton's kernels run there (as the attention backend decides; in fp32 their
+    exact IEEE products ran 4x slower than cuBLAS on the H200); on = wherever triton runs (on
+    CPU only in its interpreter: the tests), else a config error naming the fix."""
     if choice == "off":
         return False
     if choice == "auto":
-        return device.type == "cuda" and attention_backend("auto", device) == "triton"
+        half = dtype in (torch.bfloat16, torch.float16)
+        return half and device.type == "cuda" and attention_backend("auto", device) == "triton"
     try:
         attention_backend("triton", device)
     except ConfigError as exc:

@@ -14,7 +14,9 @@ token for token is tests/engine/reference.py), over static state:
   * the DFlash drafter batched the same way over its own pool (context keys/values written
     in place, no per-round allocation), also graph-captured; rounds without a draft (budget
     0) buffer their feature rows and write the context only when a slot's rows are full
-  * argmax and the finiteness check inside the graph: one device->host copy per verify;
+  * argmax and the finiteness check inside the graph, and every sampled request's tokens
+    drawn at once on the device (ddserve.engine.sampling.sample_rows: per-request
+    parameters, bias and generator): one device->host copy per verify;
     accepted paths move in the pool with one gather/scatter for the whole batch
   * logit_bias: added to the target's logits at every node of a biased request's tree
     (outside the graph, only when a request of the round has one), before its tokens are
@@ -48,11 +50,12 @@ from ddserve.engine.dflash import DFlashDrafter
 from ddserve.engine.drafters import Drafter
 from ddserve.engine.llama import Llama
 from ddserve.engine.sampling import (
+    BatchSampler,
     Logprobs,
+    SampleGroup,
     SamplingParams,
     bias_vector,
     gather_logprobs,
-    target_tokens,
 )
 from ddserve.engine.sequence import Outcome, Sequence, truncate_at_stop
 from ddserve.engine.static import (
@@ -114,12 +117,13 @@ class StaticEngine(Prefill, Drafting):
         graphs = graphs and model.device.type == "cuda"
         if memory_fraction is not None and model.device.type == "cuda":
             slots = self._slots_that_fit(model, drafter, slots, max_context, memory_fraction)
-        layer_fn = compile_layer_step() if compile else layer_step  # the hot step, compiled once
-        self.fused_layers = fused_layers_on(fused_layers, model.device)
-        if self.fused_layers:  # decode/verify widths: four triton kernels per layer
+        base_fn = compile_layer_step() if compile else layer_step  # the hot step, compiled once
+        layer_fn = base_fn
+        self.fused_layers = fused_layers_on(fused_layers, model.device, model.dtype)
+        if self.fused_layers:  # the target's decode/verify widths: four triton kernels a layer
             from ddserve.engine.layer_triton import with_fused_layers
 
-            layer_fn = with_fused_layers(layer_fn)
+            layer_fn = with_fused_layers(base_fn)
         self.attention = attention_backend(attention, model.device)
         self.chunks = PREFILL_CHUNKS_LONG if self.attention == "triton" else PREFILL_CHUNKS
         self.target = StaticTarget(
@@ -140,7 +144,9 @@ class StaticEngine(Prefill, Drafting):
                 self.pool.max_len,
                 self.pool.guard,
                 graphs,
-                layer_fn=layer_fn,
+                # not fused: on the H200 its two-layer block drafted slower so (0.27 vs 0.21
+                # ms a round, bench/NOTES.md), where the target's AR step gained 10%
+                layer_fn=base_fn,
                 attention=self.attention,
             )
         # DFlash trees built on the GPU (ddserve.engine.tree_triton) where triton kernels run:
@@ -152,6 +158,8 @@ class StaticEngine(Prefill, Drafting):
         self.device_tree = (
             bool(device_tree) and self.sdraft is not None and self._tree_kernel_runs()
         )
+        # sampled requests' rows, all at once (inputs staged like the verify's: no sync)
+        self.sampler = BatchSampler(self.pool.slots * self.pool.guard, self.target.staging)
         self.timing = {"rounds": 0, "draft_s": 0.0, "tree_s": 0.0, "verify_s": 0.0, "accept_s": 0.0}
 
     def _tree_kernel_runs(self) -> bool:
@@ -300,10 +308,17 @@ class StaticEngine(Prefill, Drafting):
             top = top.clone()
             for r0, n, bias in biased_greedy:
                 top[0, r0 : r0 + n] = (logits[r0 : r0 + n] + bias).argmax(-1)
+        sampled = [
+            SampleGroup(seq.cache.slot * w, w, seq.sampling, seq.bias, seq.generator)
+            for seq in seqs
+            if not seq.sampling.greedy
+        ]
+        if sampled:  # their samples too, all at once, into the same copy (+ a row: sampled ok)
+            top = self.sampler.into(top, logits, sampled)
         if on_device:  # the trees come back with the verify's argmax: still one sync
             both = torch.cat([top, *drafted.for_host(b * w)]).cpu().numpy()
-            top = both[:2]
-            trees = [drafted.tree(both[2:], seq.cache.slot * w, w) for seq in seqs]
+            top, k = both[: top.shape[0]], top.shape[0]
+            trees = [drafted.tree(both[k:], seq.cache.slot * w, w) for seq in seqs]
         else:
             top, trees = top.cpu().numpy(), drafted  # the one sync of the verify
         t3 = time.perf_counter()
@@ -314,14 +329,12 @@ class StaticEngine(Prefill, Drafting):
             try:
                 if not top[1, r0 : r0 + tree.size].all():
                     raise EngineError("the target produced non-finite logits (broken weights?)")
-                if seq.sampling.greedy:
-                    targets = top[0, r0 : r0 + tree.size].tolist()
-                else:
-                    lg = logits[r0 : r0 + tree.size]
-                    if seq.bias is not None:
-                        lg = lg + seq.bias
-                    targets = target_tokens(lg, seq.sampling, seq.generator).tolist()
-                decided.append(self.accept(tree, targets))
+                if not seq.sampling.greedy and not top[2, r0 : r0 + tree.size].all():
+                    raise EngineError(
+                        "sampling found no finite distribution at this request's temperature, "
+                        "top_p and top_k"
+                    )
+                decided.append(self.accept(tree, top[0, r0 : r0 + tree.size].tolist()))
             except Exception as exc:  # noqa: BLE001 - this sequence's failure, not the round's
                 decided.append(exc)
         # raw log-probs of the tokens each path emits, read at the rows they were chosen at

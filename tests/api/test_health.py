@@ -56,16 +56,16 @@ def test_health_samples_with_the_live_defaults(runner, monkeypatch):
     although greedy requests work."""
     import ddserve.engine as engine_pkg
 
-    real = sampling.target_tokens
+    real = sampling.sample_rows
 
-    def breaks_when_sampled(logits, params, generator):
-        if params.temperature > 0:
+    def breaks_when_sampled(logits, groups, inputs=None):
+        if any(g.params.temperature > 0 for g in groups):
             raise RuntimeError("sampling broke")
-        return real(logits, params, generator)
+        return real(logits, groups, inputs)
 
     for mod in vars(engine_pkg).values():  # every engine module that samples
-        if getattr(mod, "target_tokens", None) is real:
-            monkeypatch.setattr(mod, "target_tokens", breaks_when_sampled)
+        if getattr(mod, "sample_rows", None) is real:
+            monkeypatch.setattr(mod, "sample_rows", breaks_when_sampled)
     app = create_app(LocalBackend(runner))
 
     def with_temperature(t: float) -> None:

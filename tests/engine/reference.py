@@ -193,11 +193,44 @@ class ReferenceEngine:
     generate = StaticEngine.generate
 
 
-def record_trees(engine) -> list[list[int]]:
-    """Every tree `engine` verifies from now on (its node tokens, in order), through its
-    accept seam: two engines that must draft alike are compared draft for draft."""
-    trees: list[list[int]] = []
-    engine.accept = lambda tree, targets: trees.append(tree.tokens) or accept(tree, targets)
+TIE = 1e-4  # path log-weights this close are a tie that float rounding may break either way
+
+
+class Draft:
+    """A verified tree as recorded: node tokens and path log-weights, in the order the
+    best-first build made them (descending weight). Two are equal when their roots and their
+    weight sequences agree (within TIE): candidates of equal log-prob (a tie) may be taken in
+    either order, and with them their tokens and parents, by two implementations of the same
+    drafter (other kernels, other float rounding); a draft that missed context or drafted
+    differently has other weights."""
+
+    def __init__(self, tokens: list[int], logws: list[float]):
+        self.tokens, self.logws = list(tokens), list(logws)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def __repr__(self) -> str:
+        return f"Draft({self.tokens})"
+
+    def __eq__(self, other) -> bool:
+        if not isinstance(other, Draft) or len(self) != len(other):
+            return False
+        if self.tokens[:1] != other.tokens[:1]:
+            return False
+        return all(abs(a - b) <= TIE for a, b in zip(self.logws, other.logws, strict=True))
+
+
+def record_trees(engine) -> list[Draft]:
+    """Every tree `engine` verifies from now on, through its accept seam: two engines that
+    must draft alike are compared draft for draft (`Draft`: up to the order of tied nodes)."""
+    trees: list[Draft] = []
+
+    def recording(tree, targets):
+        trees.append(Draft(tree.tokens, tree.node_logws))
+        return accept(tree, targets)
+
+    engine.accept = recording
     return trees
 
 

@@ -105,8 +105,8 @@ def test_fused_layer_equals_reference(b, w, mode, bias, dtype):
 @pytest.mark.parametrize("drafter", ["none", "dflash"])
 def test_engine_on_fused_layers_decodes_like_the_reference(drafter):
     """Static engines with and without the fused layers, same model (fp32): the same greedy
-    tokens and accept lengths (so the drafter's layers agree too), prompts prefilled through
-    torch (wide) then decoded in one batch, a late joiner included."""
+    tokens and accept lengths, prompts prefilled through torch (wide) then decoded in one
+    batch, a late joiner included; the DFlash drafter's layers stay torch's."""
     model = random_llama(LlamaConfig(**CFG), seed=3).to(DEV)
     params = LiveParams(budget=6, topk=2, window=8)
     draft = random_dflash(model) if drafter == "dflash" else None
@@ -130,11 +130,12 @@ def test_engine_on_fused_layers_decodes_like_the_reference(drafter):
 def test_fused_layers_choice():
     """auto: on with CUDA only (never the interpreter); on without CUDA or the interpreter is
     a config error naming the fix; off is off."""
-    dev = torch.device(DEV)
-    assert fused_layers_on("off", dev) is False
-    assert fused_layers_on("auto", dev) is CUDA
+    dev, bf16, fp32 = torch.device(DEV), torch.bfloat16, torch.float32
+    assert fused_layers_on("off", dev, bf16) is False
+    assert fused_layers_on("auto", dev, bf16) is CUDA
+    assert fused_layers_on("auto", dev, fp32) is False  # fp32: torch's layers are faster
+    assert fused_layers_on("on", dev, fp32) is True  # asked for: the tests' oracle runs
     if not CUDA:
-        assert fused_layers_on("on", dev) is True  # the interpreter is on (fixture)
         del os.environ["TRITON_INTERPRET"]
         with pytest.raises(ConfigError, match="--fused-layers auto or off"):
-            fused_layers_on("on", dev)
+            fused_layers_on("on", dev, fp32)

@@ -19,7 +19,13 @@ from ddserve.engine.dflash import (
     load_draft_vocab,
 )
 from ddserve.engine.drafters import ModelDrafter, NGramDrafter, NoDrafter
-from ddserve.engine.sampling import SamplingParams
+from ddserve.engine.sampling import (
+    SampleGroup,
+    SamplingParams,
+    filtered_probs,
+    filtered_probs_rows,
+    sample_rows,
+)
 from ddserve.engine.static_engine import StaticEngine
 from ddserve.engine.weights import load_model, random_llama, tiny_config
 from tests.engine.reference import ReferenceEngine, one_engine
@@ -296,6 +302,86 @@ def test_sampling_follows_target_distribution(toy, t, top_p, top_k, bias):
     assert chi2_pvalue(counts, probs) > 1e-3
     tv = 0.5 * np.abs(counts / counts.sum() - probs).sum()
     assert tv < 0.05
+
+
+def test_sampling_in_one_batch_follows_each_requests_distribution(toy):
+    """Requests with different temperatures, top-p, top-k and biases sampled in the same
+    rounds (one batched draw for all of them, ddserve.engine.sampling.sample_rows): each
+    follows its own exact distribution, and a greedy request in the batch stays greedy."""
+    target, draft = toy
+    specs = [(0.7, 1.0, 0, None), (1.0, 1.0, 4, BIAS), (1.5, 0.9, 0, None)]
+    eng = one_engine(target, ModelDrafter(draft), 3)
+    params = LiveParams(budget=6, topk=3)
+    greedy_alone = eng.generate([1, 2, 3], SamplingParams(max_tokens=2, ignore_eos=True), params)
+    counts = [np.zeros(V * V) for _ in specs]
+    rounds = 0
+    for run in range(2000):
+        sampled = [
+            SamplingParams(
+                temperature=t,
+                top_p=p,
+                top_k=k,
+                max_tokens=2,
+                ignore_eos=True,
+                seed=run * len(specs) + i,
+                logit_bias=tuple((bias or {}).items()),
+            )
+            for i, (t, p, k, bias) in enumerate(specs)
+        ]
+        greedy = SamplingParams(max_tokens=2, ignore_eos=True)
+        seqs = [eng.new_sequence([1, 2, 3], sp) for sp in [*sampled, greedy]]
+        eng.prefill_batch(seqs)
+        while not all(s.finished for s in seqs):
+            eng.step_batch([s for s in seqs if not s.finished], params)
+        for i, seq in enumerate(seqs[:-1]):
+            counts[i][seq.output[0] * V + seq.output[1]] += 1
+            rounds += seq.stats.verify_rounds
+        assert seqs[-1].output == greedy_alone.output
+        for seq in seqs:
+            eng.release(seq)
+    assert rounds / (2000 * len(specs)) < 1.9, "drafts were never accepted"
+    for (t, p, k, bias), c in zip(specs, counts, strict=True):
+        probs = exact_pairs(target, [1, 2, 3], t, p, k, bias)
+        assert chi2_pvalue(c, probs) > 1e-3, (t, p, k)
+        assert 0.5 * np.abs(c / c.sum() - probs).sum() < 0.05, (t, p, k)
+
+
+def test_batched_filter_equals_the_single_request_filter():
+    """Row for row, the batched filter (each row its own temperature, top-p, top-k) gives the
+    distribution the single-request filter gives with that row's values; a seeded request
+    draws the same tokens whoever shares its batch; a row with no finite distribution is
+    flagged, not sampled into another request's tokens."""
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, 50, generator=gen) * 4
+    rows = [
+        (0.7, 1.0, 0),
+        (1.0, 0.9, 0),
+        (1.3, 1.0, 5),
+        (0.5, 0.3, 3),
+        (2.0, 1.0, 49),
+        (1.0, 1.0, 60),
+    ]
+    params = torch.tensor(rows, dtype=torch.float64)
+    got = filtered_probs_rows(logits, params, top_k=True, top_p=True)
+    for i, (t, p, k) in enumerate(rows):
+        want = filtered_probs(logits[i : i + 1], t, p, k)[0]
+        assert torch.allclose(got[i], want, atol=1e-6), rows[i]
+
+    def groups(seeds, sps):
+        return [
+            SampleGroup(i, 1, sp, None, torch.Generator().manual_seed(sd))
+            for i, (sd, sp) in enumerate(zip(seeds, sps, strict=True))
+        ]
+
+    sps = [SamplingParams(temperature=t, top_p=p, top_k=k) for t, p, k in rows]
+    _, alone, _ = sample_rows(logits[:1], groups([7], sps[:1]))
+    _, together, ok = sample_rows(logits, groups([7, 1, 2, 3, 4, 5], sps))
+    assert together[0] == alone[0] and bool(ok.all())
+    broken = logits.clone()
+    broken[2] = float("nan")
+    _, toks, ok = sample_rows(broken, groups([7, 1, 2, 3, 4, 5], sps))
+    assert ok.tolist() == [True, True, False, True, True, True]
+    assert toks[0] == alone[0]
 
 
 def test_wrong_verifier_is_caught(toy):

@@ -10,7 +10,7 @@ import torch
 
 from ddserve.config.engine import EngineConfig
 from ddserve.engine.runner import EngineRunner
-from ddserve.engine.sampling import SamplingParams, target_tokens
+from ddserve.engine.sampling import SampleGroup, SamplingParams, sample_rows, target_tokens
 from ddserve.errors import EngineError
 
 INNOCENT = [[1, 5, 6, 7, 8, 5, 6, 7], [1, 300, 301, 302, 300, 301], [1, 42], [1, 9, 9, 9, 9]]
@@ -18,8 +18,9 @@ INNOCENT = [[1, 5, 6, 7, 8, 5, 6, 7], [1, 300, 301, 302, 300, 301], [1, 42], [1,
 
 @dataclass(frozen=True)
 class Unsampleable(SamplingParams):
-    """Claims to sample at temperature 0: logits / 0 is inf/nan, so `target_tokens` raises
-    inside the round, after the shared verify (what temperature=1e-40 did before the floor)."""
+    """Claims to sample at temperature 0: logits / 0 is inf/nan, so its rows of the round's
+    batched draw have no finite distribution, found after the shared verify (what
+    temperature=1e-40 did before the floor)."""
 
     @property
     def greedy(self) -> bool:
@@ -100,6 +101,8 @@ def test_a_vanishing_temperature_decodes_greedily_in_a_batch(runner):
     + [(float("inf"), 1.0, 0), (1.0, 0.0, 0), (1.0, -1.0, 0), (1.0, 1.0, -3), (0.7, 1e-9, 1)],
 )
 def test_no_sampling_value_makes_sampling_fail(temperature, top_p, top_k):
+    """Neither the reference's sampler (`target_tokens`) nor the engine's batched one
+    (`sample_rows`, which never sees greedy requests) fails or flags a value a user can send."""
     logits = torch.randn(5, 50, generator=torch.Generator().manual_seed(0)) * 30
     sp = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k)
     gen = torch.Generator().manual_seed(0)
@@ -107,3 +110,6 @@ def test_no_sampling_value_makes_sampling_fail(temperature, top_p, top_k):
     assert toks.shape == (5,) and bool(((toks >= 0) & (toks < 50)).all())
     if sp.greedy:
         assert toks.tolist() == logits.argmax(-1).tolist()
+    else:
+        _, toks, ok = sample_rows(logits, [SampleGroup(0, 5, sp, None, gen)])
+        assert bool(ok.all()) and bool(((toks >= 0) & (toks < 50)).all())
