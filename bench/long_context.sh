@@ -35,7 +35,7 @@ for part in $parts; do
     $py -m ddserve engine --port $port --device "$device" --drafter none --max-batch 16 \
         --max-context 8192 $flags >"$out/$part-engine.log" 2>&1 &
     pid=$!
-    if wait_url "http://127.0.0.1:$port"; then
+    if wait_url "http://127.0.0.1:$port" "$pid"; then
         echo "$part: engine ready after ${SECONDS}s ($flags)"
         for n in ${lengths//,/ }; do
             $py -m ddserve bench --url "http://127.0.0.1:$port" --out "$out/$part-p$n" \

@@ -57,7 +57,7 @@ for part in $parts; do
         PYTHONPATH=$pp $py -m ddserve engine --port $port --device "$device" --drafter dflash \
             --budget 16 --topk 4 --max-batch "$maxb" --spec-max-batch 2 >"$out/$part-engine.log" 2>&1 &
         pid=$!
-        if wait_url "http://127.0.0.1:$port"; then
+        if wait_url "http://127.0.0.1:$port" "$pid"; then
             echo "$part: engine ready after ${SECONDS}s"
             for b in $budgets; do
                 if [ "$b" != 16 ]; then

@@ -1,0 +1,136 @@
+"""Two engine servers side by side, one machine, one run: A/B of the served path.
+
+    python -m ddserve.bench.served_ab --a-pythonpath /tmp/before-pp --engine-args "--drafter dflash --budget 3 --topk 1" \
+        --bench-args "--concurrency 1 --requests 16 --max-tokens 96 --prompts mixed" --passes 3 --out DIR
+
+A is `ddserve engine` from another checkout (its import root on `--a-pythonpath`: a folder
+holding `ddserve`, e.g. links as bench/device_env.sh makes them), B this checkout. Both load
+first and stay up (an idle server costs nothing measurable); then each pass runs this
+checkout's `ddserve bench` against A and against B, the order alternating per pass, so drift
+of the machine falls on both alike. DIR/ab.json: per pass and side the level's tok/s, TTFT
+and ITL p50, the medians and B/A.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from ddserve.errors import ConfigError, EngineUnavailable
+
+FIELDS = ("output_tok_s", "ttft_ms_p50", "itl_ms_p50", "itl_ms_p99", "tau_mean")
+
+
+def wait_ready(url: str, proc: subprocess.Popen, timeout_s: float = 900) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise EngineUnavailable(f"{url}: the server exited with code {proc.returncode}")
+        try:
+            httpx.get(url + "/v1/models", timeout=1).raise_for_status()
+            return
+        except httpx.HTTPError:
+            time.sleep(0.5)
+    raise EngineUnavailable(f"{url}: not ready within {timeout_s:.0f}s")
+
+
+def start(name: str, port: int, engine_args: str, pythonpath: str | None, extra: dict, out: Path):
+    env = dict(os.environ) | extra
+    if pythonpath:
+        env["PYTHONPATH"] = pythonpath + os.pathsep + env.get("PYTHONPATH", "")
+    cmd = [
+        sys.executable,
+        "-m",
+        "ddserve",
+        "engine",
+        "--port",
+        str(port),
+        *shlex.split(engine_args),
+    ]
+    log = open(out / f"{name}-engine.log", "wb")  # noqa: SIM115 - the server's lifetime
+    # from another directory, so this checkout's files never shadow A's import root
+    return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd="/")
+
+
+def bench(url: str, bench_args: str, out: Path) -> dict:
+    cmd = [sys.executable, "-m", "ddserve", "bench", "--url", url, "--out", str(out)]
+    subprocess.run([*cmd, "--no-progress", *shlex.split(bench_args)], check=True)
+    level = json.loads((out / "bench.json").read_text())["levels"]
+    level = level[0] if isinstance(level, list) else level
+    return {k: level.get(k) for k in FIELDS}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--a-pythonpath", required=True, help="import root of side A's checkout")
+    ap.add_argument(
+        "--a-env",
+        action="append",
+        default=[],
+        metavar="VAR=VALUE",
+        help="environment of side A only (e.g. DDSERVE_CACHE=DIR: another checkout may not "
+        "read this one's converted weights)",
+    )
+    ap.add_argument("--a-name", default="before")
+    ap.add_argument("--b-name", default="after")
+    ap.add_argument("--engine-args", default="", help="`ddserve engine` flags for both sides")
+    ap.add_argument("--bench-args", default="--concurrency 1 --requests 16 --max-tokens 96")
+    ap.add_argument("--passes", type=int, default=3)
+    ap.add_argument("--port", type=int, default=30301, help="A's port; B's is the next")
+    ap.add_argument("--out", type=Path, required=True)
+    args = ap.parse_args(argv)
+    if not (Path(args.a_pythonpath) / "ddserve").is_dir():
+        raise ConfigError(f"--a-pythonpath {args.a_pythonpath}: no ddserve folder in it")
+    args.out.mkdir(parents=True, exist_ok=True)
+    a_env = dict(kv.split("=", 1) for kv in args.a_env)
+    sides = {
+        args.a_name: (args.port, args.a_pythonpath, a_env),
+        args.b_name: (args.port + 1, None, {}),
+    }
+    procs = {n: start(n, p, args.engine_args, pp, e, args.out) for n, (p, pp, e) in sides.items()}
+    runs: dict[str, list[dict]] = {n: [] for n in sides}
+    try:
+        for name, (port, *_) in sides.items():
+            wait_ready(f"http://127.0.0.1:{port}", procs[name])
+        for i in range(args.passes):
+            order = list(sides) if i % 2 == 0 else list(sides)[::-1]
+            for name in order:
+                url = f"http://127.0.0.1:{sides[name][0]}"
+                r = bench(url, args.bench_args, args.out / f"{name}-pass{i}")
+                runs[name].append(r)
+                print(f"pass {i} {name}: " + "  ".join(f"{k} {r[k]}" for k in FIELDS), flush=True)
+    finally:
+        for p in procs.values():
+            p.terminate()
+        for p in procs.values():
+            p.wait(30)
+    med = {n: {k: statistics.median(r[k] for r in rs) for k in FIELDS} for n, rs in runs.items()}
+    a, b = med[args.a_name], med[args.b_name]
+    result = {
+        "engine_args": args.engine_args,
+        "bench_args": args.bench_args,
+        "a": args.a_name,
+        "b": args.b_name,
+        "passes": runs,
+        "median": med,
+        "b_over_a_tok_s": round(b["output_tok_s"] / a["output_tok_s"], 3),
+    }
+    (args.out / "ab.json").write_text(json.dumps(result, indent=1))
+    print(
+        f"median tok/s {args.a_name} {a['output_tok_s']:.2f}  {args.b_name} "
+        f"{b['output_tok_s']:.2f}  {args.b_name}/{args.a_name} {result['b_over_a_tok_s']}"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
