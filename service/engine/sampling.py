@@ -97,8 +97,9 @@ class SampleGroup:
 
 def sample_inputs(groups: list[SampleGroup]) -> np.ndarray:
     """The rows and per-row parameters of `groups`, packed for one host->device copy:
-    float64 [R, 4] = (row, temperature, top_p, top_k)."""
-    out = np.empty((sum(g.n for g in groups), 4))
+    float32 [R, 4] = (row, temperature, top_p, top_k) (rows of a forward are far below
+    2^24: exact)."""
+    out = np.empty((sum(g.n for g in groups), 4), dtype=np.float32)
     at = 0
     for g in groups:
         out[at : at + g.n, 0] = np.arange(g.row, g.row + g.n)
@@ -123,7 +124,9 @@ def sample_rows(
     if inputs is None:
         inputs = torch.from_numpy(sample_inputs(groups)).to(dev)
     rows = inputs[:, 0].long()
-    lg = logits.index_select(0, rows).float()  # [R, V]
+    lg = logits.index_select(0, rows)  # [R, V]
+    if lg.dtype != torch.float32:
+        lg = lg.float()
     at = 0
     for g in groups:
         if g.bias is not None:
@@ -138,8 +141,8 @@ def sample_rows(
         race[at : at + g.n].exponential_(generator=g.generator)
         at += g.n
     tokens = (probs / race.clamp_min_(1e-30)).argmax(-1)
-    ok = torch.isfinite(probs).all(-1) & (probs.sum(-1) > 0)
-    return rows, tokens, ok
+    mass = probs.sum(-1)  # nan where any probability is (each is <= 1 otherwise)
+    return rows, tokens, (mass == mass) & (mass > 0)
 
 
 class BatchSampler:
@@ -157,7 +160,7 @@ class BatchSampler:
     def into(self, top: torch.Tensor, logits: torch.Tensor, groups: list[SampleGroup]):
         packed = sample_inputs(groups)
         if self.buf is None:
-            self.buf = torch.zeros(self.max_rows * 4, dtype=torch.float64, device=logits.device)
+            self.buf = torch.zeros(self.max_rows * 4, dtype=torch.float32, device=logits.device)
         self.staging.copy(self.buf, packed)
         rows, tokens, ok = sample_rows(logits, groups, self.buf[: packed.size].view(-1, 4))
         top = torch.cat([top, torch.ones_like(top[:1])])
@@ -174,7 +177,7 @@ def filtered_probs_rows(
     Row for row the same distribution as `filtered_probs` with that row's values."""
     # logits: [R, V]  params: [R, 3]
     vocab = logits.shape[-1]
-    logits = logits / params[:, :1].float()
+    logits = logits / params[:, :1]
     if top_k:  # keep logits >= the row's k-th largest (ties at the k-th kept), k off at 0 or >= V
         k = params[:, 2].long()
         on = (k > 0) & (k < vocab)
@@ -185,7 +188,7 @@ def filtered_probs_rows(
         logits = logits.masked_fill(logits < kth, float("-inf"))
     probs = torch.softmax(logits, dim=-1)
     if top_p:  # the smallest prefix whose mass reaches the row's top_p (the first always stays)
-        p = params[:, 1:2].float()
+        p = params[:, 1:2]
         sorted_p, order = torch.sort(probs, dim=-1, descending=True)
         drop_sorted = ((sorted_p.cumsum(-1) - sorted_p) >= p) & (p < 1.0)
         drop_sorted[:, 0] = False

@@ -361,7 +361,7 @@ def test_batched_filter_equals_the_single_request_filter():
         (2.0, 1.0, 49),
         (1.0, 1.0, 60),
     ]
-    params = torch.tensor(rows, dtype=torch.float64)
+    params = torch.tensor(rows, dtype=torch.float32)
     got = filtered_probs_rows(logits, params, top_k=True, top_p=True)
     for i, (t, p, k) in enumerate(rows):
         want = filtered_probs(logits[i : i + 1], t, p, k)[0]
