@@ -348,9 +348,9 @@ def test_sampling_in_one_batch_follows_each_requests_distribution(toy):
 
 def test_batched_filter_equals_the_single_request_filter():
     """Row for row, the batched filter (each row its own temperature, top-p, top-k) gives the
-    distribution the single-request filter gives with that row's values; a seeded request
-    draws the same tokens whoever shares its batch; a row with no finite distribution is
-    flagged, not sampled into another request's tokens."""
+    distribution the single-request filter gives with that row's values; a request's draw
+    comes from its own generator (the same tokens whoever else is drawn with it, at the same
+    width); a row with no finite distribution is flagged, not sampled into another's tokens."""
     gen = torch.Generator().manual_seed(0)
     logits = torch.randn(6, 50, generator=gen) * 4
     rows = [
