@@ -168,6 +168,8 @@ def main() -> int:
             lt.TUNE.pop((name, bm), None)
             lt.TUNE.pop(("attn", 0), None)
             timings.sort(key=lambda t: t["us"])
+            if not timings:  # no parameter set compiled at this row block
+                continue
             best[name] = tuple(timings[0]["params"])
             res["kernels"][name] = timings
             print(f"rows {rows} {name}: best {timings[:3]}", flush=True)

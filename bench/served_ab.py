@@ -69,6 +69,12 @@ def bench(url: str, bench_args: str, out: Path) -> dict:
     return {k: level.get(k) for k in FIELDS}
 
 
+def _median(values: list) -> float | None:
+    """Median of the values a side reported (None where it reported none: e.g. no tau)."""
+    present = [v for v in values if v is not None]
+    return statistics.median(present) if present else None
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--a-pythonpath", required=True, help="import root of side A's checkout")
@@ -108,12 +114,13 @@ def main(argv: list[str] | None = None) -> int:
                 r = bench(url, args.bench_args, args.out / f"{name}-pass{i}")
                 runs[name].append(r)
                 print(f"pass {i} {name}: " + "  ".join(f"{k} {r[k]}" for k in FIELDS), flush=True)
+                (args.out / "passes.json").write_text(json.dumps(runs, indent=1))  # so far
     finally:
         for p in procs.values():
             p.terminate()
         for p in procs.values():
             p.wait(30)
-    med = {n: {k: statistics.median(r[k] for r in rs) for k in FIELDS} for n, rs in runs.items()}
+    med = {n: {k: _median([r[k] for r in rs]) for k in FIELDS} for n, rs in runs.items()}
     a, b = med[args.a_name], med[args.b_name]
     result = {
         "engine_args": args.engine_args,

@@ -53,21 +53,19 @@ for part in $parts; do
     http | http-ref)
         port=30111
         pp=${PYTHONPATH:-}
-        [ $part = http-ref ] && pp=$REF_PYTHONPATH:$pp
+        [ $part = http-ref ] && pp=${REF_PYTHONPATH:?http-ref needs REF_PYTHONPATH}:$pp
         PYTHONPATH=$pp $py -m ddserve engine --port $port --device "$device" --drafter dflash \
             --budget 16 --topk 4 --max-batch "$maxb" --spec-max-batch 2 >"$out/$part-engine.log" 2>&1 &
         pid=$!
         if wait_url "http://127.0.0.1:$port" "$pid"; then
             echo "$part: engine ready after ${SECONDS}s"
-            for b in $budgets; do
-                if [ "$b" != 16 ]; then
-                    $py - $port "$b" <<'PY'
+            for b in $budgets; do  # every leg sets its budget (whatever the order)
+                $py - $port "$b" <<'PY'
 import os, sys, httpx
 r = httpx.post(f"http://127.0.0.1:{sys.argv[1]}/admin/params", json={"budget": int(sys.argv[2])},
                headers={"Authorization": "Bearer " + os.environ["DDSERVE_ADMIN_TOKEN"]})
 print("budget", sys.argv[2], r.status_code, r.text[:200])
 PY
-                fi
                 name=$([ "$b" = 0 ] && echo b0 || echo "b${b}k4")
                 bench_levels "http://127.0.0.1:$port" "$out/$part-$name"
             done

@@ -172,7 +172,8 @@ def main() -> None:
             if a.fused_tune:  # the best launch parameters of a bench.layer_kernels run
                 for res in json.loads(Path(a.fused_tune).read_text())["rows"].values():
                     for k, v in res.get("best", {}).items():
-                        layer_triton.TUNE[(k, res["block_m"])] = tuple(v)
+                        if k != "attn":  # the attention kernel keeps its own parameters
+                            layer_triton.TUNE[(k, res["block_m"])] = tuple(v)
                 result["fused_tune"] = {str(k): v for k, v in layer_triton.TUNE.items()}
             layer_fn = layer_triton.with_fused_layers(layer_fn)
         for attn in a.attention.split(","):

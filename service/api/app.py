@@ -87,6 +87,7 @@ CLIENT_CLOSED = 499  # nginx's "client closed request": nobody reads it, the log
 # arrivals the worker threads fight the loop for the GIL. Longer ones go to a thread, so a
 # huge prompt never stalls other clients.
 INLINE_CHARS = 2048
+PER_MESSAGE_CHARS = 64  # a chat message's share of the template's work, in characters
 
 
 def freeze_startup_heap() -> None:
@@ -98,7 +99,8 @@ def freeze_startup_heap() -> None:
 
 
 async def off_loop_if_long(chars: int, fn, *args):
-    """fn(*args), in a worker thread when the text is long (see INLINE_CHARS)."""
+    """fn(*args), in a worker thread when its work, in characters of text, is over
+    INLINE_CHARS."""
     if chars <= INLINE_CHARS:
         return fn(*args)
     return await asyncio.to_thread(fn, *args)
@@ -304,7 +306,9 @@ def create_app(
         messages = [{"role": m.role, "content": m.text} for m in req.messages]
         chars = sum(len(m["content"]) for m in messages)
         check_text(chars, "messages")
-        prompt = await off_loop_if_long(chars, render_chat, backend.tokenizer, messages)
+        # the template's work grows with the messages too, not only with their text
+        work = chars + PER_MESSAGE_CHARS * len(messages)
+        prompt = await off_loop_if_long(work, render_chat, backend.tokenizer, messages)
         sp = openai_sampling(req, prompt)
         rid = fmt.new_id("chatcmpl")
         if not req.stream:
@@ -389,8 +393,9 @@ def create_app(
             ids = [t if isinstance(t, list) else encode(backend.tokenizer, t) for t in texts]
             return ids, [echo_of(t) for t in texts]
 
-        chars = sum(len(t) for t in texts if isinstance(t, str))
-        prompts, echoes = await off_loop_if_long(chars, tokenize)
+        # text to encode, and token ids to decode when they are echoed (a token ~ 4 chars)
+        work = sum(len(t) if isinstance(t, str) else 4 * len(t) * req.echo for t in texts)
+        prompts, echoes = await off_loop_if_long(work, tokenize)
         sps = [openai_sampling(req, p) for p in prompts]
         rid = fmt.new_id("cmpl")
         extra = len(prompts) - 1  # `admit` counted the first

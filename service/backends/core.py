@@ -253,7 +253,11 @@ class CoreBackend:
         call_id = next(self._ids)
         fut = asyncio.get_running_loop().create_future()
         self._calls[call_id] = fut
-        self._send([ipc.CALL, call_id, method, args])
+        try:
+            self._send([ipc.CALL, call_id, method, args])
+        except EngineUnavailable:
+            self._calls.pop(call_id, None)
+            raise
         try:
             status, payload = await asyncio.wait_for(fut, timeout)
         except TimeoutError as exc:

@@ -299,7 +299,7 @@ class EngineConfig(_Frozen):
     )
     fused_layers: Literal["auto", "on", "off"] = Field(
         "auto",
-        description="Decode and verify forwards of at most 16 rows (B x W) run each decoder layer as four triton kernels plus attention (RMSNorm + QKV + RoPE + KV write; O projection + residual; RMSNorm + gate/up + SiLU; down projection + residual) instead of torch's ~13: at a few rows a step is bound by kernel launches (measured on an H200: 6% faster per step at 1 row; even at 64, so wider forwards keep torch). auto = on with CUDA in bf16/fp16 when triton imports (the DFlash drafter keeps torch's layers); on elsewhere needs triton's interpreter (tests).",
+        description="Decode and verify forwards of at most 16 rows (B x W) run each decoder layer as four triton kernels plus attention (RMSNorm + QKV + RoPE + KV write; O projection + residual; RMSNorm + gate/up + SiLU; down projection + residual) instead of torch's ~13: at a few rows a step is bound by kernel launches (measured on an H200: 6% faster per step at 1 row; even at 64, so wider forwards keep torch). auto = on with CUDA in bf16 when triton imports (the DFlash drafter keeps torch's layers); on elsewhere needs triton's interpreter (tests).",
         json_schema_extra={"flag": "--fused-layers"},
     )
     gpu_memory_utilization: float = Field(

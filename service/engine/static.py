@@ -262,14 +262,15 @@ def compile_layer_step():
 
 def fused_layers_on(choice: str, device: torch.device, dtype: torch.dtype) -> bool:
     """Whether the fused layer kernels (ddserve.engine.layer_triton) run: auto = with CUDA in
-    bf16/fp16 when triton's kernels run there (as the attention backend decides; in fp32 their
-    exact IEEE products ran 4x slower than cuBLAS on the H200); on = wherever triton runs (on
-    CPU only in its interpreter: the tests), else a config error naming the fix."""
+    bf16 when triton's kernels run there (as the attention backend decides; in fp32 their
+    exact IEEE products ran 4x slower than cuBLAS on the H200, and in fp16 the norm's
+    x * weight, rounded before the 1/rms scale, could overflow); on = wherever triton runs
+    (on CPU only in its interpreter: the tests), else a config error naming the fix."""
     if choice == "off":
         return False
     if choice == "auto":
-        half = dtype in (torch.bfloat16, torch.float16)
-        return half and device.type == "cuda" and attention_backend("auto", device) == "triton"
+        bf16 = dtype == torch.bfloat16
+        return bf16 and device.type == "cuda" and attention_backend("auto", device) == "triton"
     try:
         attention_backend("triton", device)
     except ConfigError as exc:

@@ -198,11 +198,11 @@ TIE = 1e-4  # path log-weights this close are a tie that float rounding may brea
 
 class Draft:
     """A verified tree as recorded: node tokens and path log-weights, in the order the
-    best-first build made them (descending weight). Two are equal when their roots and their
-    weight sequences agree (within TIE): candidates of equal log-prob (a tie) may be taken in
-    either order, and with them their tokens and parents, by two implementations of the same
-    drafter (other kernels, other float rounding); a draft that missed context or drafted
-    differently has other weights."""
+    best-first build made them (descending weight). Two are equal when their roots and weight
+    sequences agree (within TIE) and, within each run of tied weights, they hold the same
+    tokens: two implementations of the same drafter (other kernels, other float rounding) may
+    take tied candidates in either order, and with them their parents. The last run is the
+    exception: there the budget may cut between tied candidates, keeping a different one."""
 
     def __init__(self, tokens: list[int], logws: list[float]):
         self.tokens, self.logws = list(tokens), list(logws)
@@ -213,12 +213,26 @@ class Draft:
     def __repr__(self) -> str:
         return f"Draft({self.tokens})"
 
+    def _runs(self) -> list[tuple[int, int]]:
+        """[start, end) of each run of consecutive nodes whose weights tie."""
+        runs, start = [], 0
+        for i in range(1, len(self.logws) + 1):
+            if i == len(self.logws) or abs(self.logws[i] - self.logws[start]) > TIE:
+                runs.append((start, i))
+                start = i
+        return runs
+
     def __eq__(self, other) -> bool:
         if not isinstance(other, Draft) or len(self) != len(other):
             return False
-        if self.tokens[:1] != other.tokens[:1]:
+        if any(abs(a - b) > TIE for a, b in zip(self.logws, other.logws, strict=True)):
             return False
-        return all(abs(a - b) <= TIE for a, b in zip(self.logws, other.logws, strict=True))
+        runs = self._runs()
+        return self.tokens[:1] == other.tokens[:1] and all(
+            sorted(self.tokens[a:b]) == sorted(other.tokens[a:b])
+            for a, b in runs[:-1]
+            if len(runs) > 1
+        )
 
 
 def record_trees(engine) -> list[Draft]:
