@@ -163,14 +163,7 @@ class EngineReplica:
             admin_enabled=False,
             api_key=self.cfg.api_key,
         )
-        replica = self.replica_id
-
-        @app.middleware("http")
-        async def _tag(request, call_next):
-            response = await call_next(request)
-            response.headers["x-ddserve-replica"] = replica
-            return response
-
+        app.add_middleware(ResponseHeader, name="x-ddserve-replica", value=self.replica_id)
         return app
 
     def _publish(self, state: ReplicaState, error: str = "") -> None:
@@ -240,6 +233,27 @@ class EngineReplica:
             await b.inner.aclose()
         if hasattr(self, "cfg") and not getattr(self, "_keep_record", False):
             drop(self.cfg.name, self.replica_id)
+
+
+class ResponseHeader:
+    """Pure ASGI middleware adding one header to every HTTP response. (FastAPI's
+    `@app.middleware("http")` runs each response through a task and a memory stream: with
+    128-token streams it doubled the app's CPU per request, ~47 us per chunk.)"""
+
+    def __init__(self, app, name: str, value: str):
+        self.app = app
+        self.header = (name.lower().encode("latin-1"), value.encode("latin-1"))
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+
+        async def tagged(message):
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), self.header]}
+            await send(message)
+
+        await self.app(scope, receive, tagged)
 
 
 def deployment_options(cfg: ServeConfig) -> dict:
