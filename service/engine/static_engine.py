@@ -308,9 +308,10 @@ class StaticEngine(Prefill, Drafting):
             top = top.clone()
             for r0, n, bias in biased_greedy:
                 top[0, r0 : r0 + n] = (logits[r0 : r0 + n] + bias).argmax(-1)
-        sampled = [
-            SampleGroup(seq.cache.slot * w, w, seq.sampling, seq.bias, seq.generator)
-            for seq in seqs
+        sampled = [  # the rows of its own tree (or the bound of GPU trees), not the width:
+            # how many numbers a request draws never depends on who shares its round
+            SampleGroup(seq.cache.slot * w, n, seq.sampling, seq.bias, seq.generator)
+            for seq, n in zip(seqs, sizes, strict=True)
             if not seq.sampling.greedy
         ]
         if sampled:  # their samples too, all at once, into the same copy (+ a row: sampled ok)

@@ -346,6 +346,28 @@ def test_sampling_in_one_batch_follows_each_requests_distribution(toy):
         assert 0.5 * np.abs(c / c.sum() - probs).sum() < 0.05, (t, p, k)
 
 
+@pytest.mark.parametrize("drafter", ["ngram", "dflash-untrained"])
+def test_a_seeded_request_samples_alike_alone_and_in_a_batch(tiny, drafter):
+    """A seeded sampled request gives the same tokens alone and in rounds it shares with
+    others (greedy, other seeds, other temperatures; n-gram trees of other sizes, a late
+    joiner): its draws come from its own generator, as many as its own tree needs."""
+    from tests.engine.test_batching import PROMPTS as BATCH_PROMPTS
+    from tests.engine.test_batching import run_lockstep
+
+    params = LiveParams(budget=6, topk=2)
+    mine = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=24, ignore_eos=True, seed=7)
+    others = [
+        SamplingParams(max_tokens=30, ignore_eos=True),
+        SamplingParams(temperature=0.7, max_tokens=18, ignore_eos=True, seed=1),
+        SamplingParams(temperature=1.3, top_k=20, max_tokens=30, ignore_eos=True, seed=2),
+    ]
+    prompts = [PROMPTS[0], *BATCH_PROMPTS[1:4]]
+    eng = one_engine(tiny, drafters(tiny)[drafter], 6)
+    alone = eng.generate(prompts[0], mine, params).output
+    together = run_lockstep(eng, prompts, [mine, *others], params, join_late={2})
+    assert together[0] == alone and len(alone) == 24
+
+
 def test_batched_filter_equals_the_single_request_filter():
     """Row for row, the batched filter (each row its own temperature, top-p, top-k) gives the
     distribution the single-request filter gives with that row's values; a request's draw
