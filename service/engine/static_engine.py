@@ -59,10 +59,8 @@ from ddserve.engine.sampling import (
 )
 from ddserve.engine.sequence import Outcome, Sequence, truncate_at_stop
 from ddserve.engine.static import (
-    KVPool,
     SlotCache,
     compile_layer_step,
-    fit_slots,
     fused_layers_on,
     layer_step,
     next_bucket,
@@ -72,7 +70,7 @@ from ddserve.engine.static_models import (
     StaticDFlash,
     StaticTarget,
     pack_target,
-    pool_length,
+    slots_that_fit,
 )
 from ddserve.engine.static_prefill import PREFILL_CHUNKS, PREFILL_CHUNKS_LONG, Prefill
 from ddserve.engine.tree import (
@@ -116,7 +114,7 @@ class StaticEngine(Prefill, Drafting):
         self.capture: tuple[int, ...] = tuple(getattr(drafter, "capture", ()))
         graphs = graphs and model.device.type == "cuda"
         if memory_fraction is not None and model.device.type == "cuda":
-            slots = self._slots_that_fit(model, drafter, slots, max_context, memory_fraction)
+            slots = slots_that_fit(model, drafter, slots, max_context, memory_fraction)
         base_fn = compile_layer_step() if compile else layer_step  # the hot step, compiled once
         layer_fn = base_fn
         self.fused_layers = fused_layers_on(fused_layers, model.device, model.dtype)
@@ -180,25 +178,6 @@ class StaticEngine(Prefill, Drafting):
         if not ok:
             log.warning("the GPU tree build gave a wrong tree; trees built on the host")
         return ok
-
-    @staticmethod
-    def _slots_that_fit(model, drafter, slots: int, max_context: int, fraction: float) -> int:
-        """The KV slots (target's pool + the DFlash drafter's) that fit in the GPU's memory;
-        fewer than asked is logged."""
-        max_len = pool_length(max_context)
-        per_slot = KVPool.slot_bytes(model.cfg, model.cfg.num_layers, max_len, model.dtype)
-        if isinstance(drafter, DFlashDrafter):  # its pool has the target's slots and length
-            c = drafter.net.c
-            per_slot += KVPool.slot_bytes(c, c.num_layers, max_len, model.dtype)
-        free, total = torch.cuda.mem_get_info(model.device)
-        n = fit_slots(slots, per_slot, free, total, fraction)
-        if n < slots:
-            log.warning(
-                "KV pool: %d of %d slots fit (%.2f GiB each at max_context=%d, "
-                "gpu_memory_utilization=%g); more requests wait for a free slot",
-                n, slots, per_slot / (1 << 30), max_context, fraction,
-            )  # fmt: skip
-        return n
 
     @property
     def graph_count(self) -> int:

@@ -13,20 +13,26 @@ a prefill forward (rows named by slot index, causal) returns only the tapped out
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 import torch
 
 from ddserve.config.engine import MAX_BUDGET
 from ddserve.engine.attention import CAUSAL, FULL, TREE, plan
+from ddserve.engine.dflash import DFlashDrafter
 from ddserve.engine.llama import Llama, apply_rope, linear
 from ddserve.engine.static import (
     GraphCache,
     KVPool,
     Staging,
+    fit_slots,
     fuse_weights,
     layer_step,
     next_bucket,
 )
+
+log = logging.getLogger(__name__)
 
 # scratch entries at the end of every slot: the widest forward (a tree of MAX_BUDGET nodes
 # plus its root, rounded up to a power of two) writes its padding there
@@ -292,3 +298,22 @@ class StaticDFlash:
 
 def pack_draft(cwpos, root, bwpos, bpos, lens, window) -> np.ndarray:
     return np.concatenate([cwpos.ravel(), root, bwpos.ravel(), bpos.ravel(), lens, window])
+
+
+def slots_that_fit(model, drafter, slots: int, max_context: int, fraction: float) -> int:
+    """The KV slots (target's pool + the DFlash drafter's) that fit in the GPU's memory;
+    fewer than asked is logged."""
+    max_len = pool_length(max_context)
+    per_slot = KVPool.slot_bytes(model.cfg, model.cfg.num_layers, max_len, model.dtype)
+    if isinstance(drafter, DFlashDrafter):  # its pool has the target's slots and length
+        c = drafter.net.c
+        per_slot += KVPool.slot_bytes(c, c.num_layers, max_len, model.dtype)
+    free, total = torch.cuda.mem_get_info(model.device)
+    n = fit_slots(slots, per_slot, free, total, fraction)
+    if n < slots:
+        log.warning(
+            "KV pool: %d of %d slots fit (%.2f GiB each at max_context=%d, "
+            "gpu_memory_utilization=%g); more requests wait for a free slot",
+            n, slots, per_slot / (1 << 30), max_context, fraction,
+        )  # fmt: skip
+    return n
