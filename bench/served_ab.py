@@ -20,45 +20,30 @@ import shlex
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-import httpx
-
-from ddserve.errors import ConfigError, EngineUnavailable
+from ddserve.backends.process import EngineProcess
+from ddserve.errors import ConfigError
 
 FIELDS = ("output_tok_s", "ttft_ms_p50", "itl_ms_p50", "itl_ms_p99", "tau_mean")
 
 
-def wait_ready(url: str, proc: subprocess.Popen, timeout_s: float = 900) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise EngineUnavailable(f"{url}: the server exited with code {proc.returncode}")
-        try:
-            httpx.get(url + "/v1/models", timeout=1).raise_for_status()
-            return
-        except httpx.HTTPError:
-            time.sleep(0.5)
-    raise EngineUnavailable(f"{url}: not ready within {timeout_s:.0f}s")
-
-
 def start(name: str, port: int, engine_args: str, pythonpath: str | None, extra: dict, out: Path):
-    env = dict(os.environ) | extra
+    """`ddserve engine` of one side (ddserve.backends.process.EngineProcess: its own process
+    group, ready only after a real generation); `pythonpath` puts another checkout first."""
+    env = dict(extra)
     if pythonpath:
-        env["PYTHONPATH"] = pythonpath + os.pathsep + env.get("PYTHONPATH", "")
-    cmd = [
-        sys.executable,
-        "-m",
-        "ddserve",
-        "engine",
-        "--port",
-        str(port),
-        *shlex.split(engine_args),
-    ]
-    log = open(out / f"{name}-engine.log", "wb")  # noqa: SIM115 - the server's lifetime
-    # from another directory, so this checkout's files never shadow A's import root
-    return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd="/")
+        env["PYTHONPATH"] = pythonpath + os.pathsep + os.environ.get("PYTHONPATH", "")
+    cmd = [sys.executable, "-m", "ddserve", "engine", "--port", str(port)]
+    eng = EngineProcess(
+        None,
+        port=port,
+        log_path=out / f"{name}-engine.log",
+        env=env,
+        command=[*cmd, *shlex.split(engine_args)],
+    )
+    eng.start()
+    return eng
 
 
 def bench(url: str, bench_args: str, out: Path) -> dict:
@@ -105,21 +90,18 @@ def main(argv: list[str] | None = None) -> int:
     procs = {n: start(n, p, args.engine_args, pp, e, args.out) for n, (p, pp, e) in sides.items()}
     runs: dict[str, list[dict]] = {n: [] for n in sides}
     try:
-        for name, (port, *_) in sides.items():
-            wait_ready(f"http://127.0.0.1:{port}", procs[name])
+        for eng in procs.values():
+            eng.wait_ready(900)
         for i in range(args.passes):
             order = list(sides) if i % 2 == 0 else list(sides)[::-1]
             for name in order:
-                url = f"http://127.0.0.1:{sides[name][0]}"
-                r = bench(url, args.bench_args, args.out / f"{name}-pass{i}")
+                r = bench(procs[name].url, args.bench_args, args.out / f"{name}-pass{i}")
                 runs[name].append(r)
                 print(f"pass {i} {name}: " + "  ".join(f"{k} {r[k]}" for k in FIELDS), flush=True)
                 (args.out / "passes.json").write_text(json.dumps(runs, indent=1))  # so far
     finally:
-        for p in procs.values():
-            p.terminate()
-        for p in procs.values():
-            p.wait(30)
+        for eng in procs.values():
+            eng.stop()
     med = {n: {k: _median([r[k] for r in rs]) for k in FIELDS} for n, rs in runs.items()}
     a, b = med[args.a_name], med[args.b_name]
     result = {
