@@ -90,7 +90,11 @@ class Layers:
         self.attn = plan("triton", past, TREE, tree, 1, 512, groups, dt)
         self.q = torch.randn(rows, cfg.num_heads, cfg.head_dim, device=dev, dtype=dt)
 
-    def kernel(self, name: str):
+    def kernel(self, name: str, params: tuple[int, int, int, int]):
+        """One launch per layer of `name`. The layer kernels read their launch parameters
+        from layer_triton.TUNE (main sets them); attention takes `params` = (key splits,
+        BLOCK_N, warps, stages) directly."""
+
         def qkv():
             for b, kc, vc in zip(self.blocks, self.kc, self.vc, strict=True):
                 lt.qkv_rope(b, self.x, self.cos, self.sin, kc, vc, self.rows, self.wpos)
@@ -107,10 +111,10 @@ class Layers:
             for b in self.blocks:
                 lt.matmul_add(self.act, b.down_proj.weight, self.x, "down")
 
-        def attn():  # the engine's own parameters unless TUNE names a set
+        def attn():
             from ddserve.engine.attention_triton import launch
 
-            splits, bn, warps, stages = lt.TUNE.get(("attn", 0), (None, 64, 4, 2))
+            splits, bn, warps, stages = params
             for kc, vc in zip(self.kc, self.vc, strict=True):
                 a = self.attn
                 launch(
@@ -152,10 +156,12 @@ def main() -> int:
             for bn, bk, warps, stages in itertools.product(*grid.values()):
                 if bm == 64 and bk > 256:  # the x tile would not fit in registers
                     continue
-                lt.TUNE[(name, bm) if name != "attn" else ("attn", 0)] = (bn, bk, warps, stages)
+                params = (bn, bk, warps, stages)
+                if name != "attn":  # a layer kernel: read from TUNE at launch
+                    lt.TUNE[(name, bm)] = params
                 t0 = time.perf_counter()
                 try:
-                    ms = graph_ms(L.kernel(name)) / a.layers * 1e3
+                    ms = graph_ms(L.kernel(name, params)) / a.layers * 1e3
                 except Exception:  # noqa: BLE001 - a set that does not compile (shared memory)
                     continue
                 timings.append({"params": [bn, bk, warps, stages], "us": round(ms, 2)})
@@ -166,7 +172,6 @@ def main() -> int:
                         flush=True,
                     )
             lt.TUNE.pop((name, bm), None)
-            lt.TUNE.pop(("attn", 0), None)
             timings.sort(key=lambda t: t["us"])
             if not timings:  # no parameter set compiled at this row block
                 continue
