@@ -229,9 +229,7 @@ class Draft:
             return False
         runs = self._runs()
         return self.tokens[:1] == other.tokens[:1] and all(
-            sorted(self.tokens[a:b]) == sorted(other.tokens[a:b])
-            for a, b in runs[:-1]
-            if len(runs) > 1
+            sorted(self.tokens[a:b]) == sorted(other.tokens[a:b]) for a, b in runs[:-1]
         )
 
 
@@ -246,6 +244,19 @@ def record_trees(engine) -> list[Draft]:
 
     engine.accept = recording
     return trees
+
+
+def decode_with_late_joiner(eng, prompts, params, max_tokens: int) -> list[tuple]:
+    """All but the last of `prompts` prefilled in one batch and decoded together, the last
+    joining after one round; every sequence to its end (greedy, `max_tokens` each). Returns
+    (output, accept lengths) per prompt: two engines that must decode alike compare these."""
+    seqs = [eng.new_sequence(p, SamplingParams(max_tokens=max_tokens)) for p in prompts]
+    eng.prefill_batch(seqs[:-1])
+    eng.step_batch(seqs[:-1], params)
+    eng.prefill(seqs[-1])  # joins late
+    while not all(s.finished for s in seqs):
+        eng.step_batch([s for s in seqs if not s.finished], params)
+    return [(s.output, s.stats.accept_lengths) for s in seqs]
 
 
 def one_engine(

@@ -10,52 +10,26 @@ import os
 import pytest
 import torch
 
-CUDA = torch.cuda.is_available()
-# the interpreter only for the kernels this module defines (decorated at import) and its own
-# tests (the fixture below): engine processes other tests start must not inherit it
-_was = os.environ.get("TRITON_INTERPRET")
-if not CUDA:
-    os.environ["TRITON_INTERPRET"] = "1"
+from tests.engine.triton_interpreter import (
+    CUDA,
+    DEV,
+    DTYPES,
+    interpreted,
+    interpreter,  # noqa: F401  (autouse fixture)
+)
 
-triton = pytest.importorskip("triton")
-if not CUDA:
-    import triton.runtime.interpreter as interpreter
-
-    # triton 3.6's interpreter turns a scalar (a 1-element array there) into a Python int
-    # with int(array), which numpy >= 2.4 refuses for arrays of one dimension; loops over
-    # runtime bounds (`range(lo, hi)`) need it
-    _patch = interpreter._patch_lang_tensor
-
-    def _patch_index(tensor, scope):
-        _patch(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    interpreter._patch_lang_tensor = _patch_index
-
-from ddserve.config.engine import LiveParams  # noqa: E402
-from ddserve.engine import attention as A  # noqa: E402
-from ddserve.engine.attention_triton import launch  # noqa: E402
-
-if _was is None:
-    os.environ.pop("TRITON_INTERPRET", None)
-
-
-@pytest.fixture(autouse=True)
-def _interpreter(monkeypatch):
-    if not CUDA:
-        monkeypatch.setenv("TRITON_INTERPRET", "1")
-
+with interpreted():
+    from ddserve.config.engine import LiveParams
+    from ddserve.engine import attention as A
+    from ddserve.engine.attention_triton import launch
 
 from ddserve.engine.dflash import DFlashDrafter  # noqa: E402
 from ddserve.engine.drafters import NoDrafter  # noqa: E402
-from ddserve.engine.sampling import SamplingParams  # noqa: E402
 from ddserve.engine.static_engine import StaticEngine  # noqa: E402
 from ddserve.engine.weights import random_llama, tiny_config  # noqa: E402
+from tests.engine.reference import decode_with_late_joiner  # noqa: E402
 from tests.engine.test_batching import PROMPTS  # noqa: E402
 from tests.engine.test_lossless import random_dflash  # noqa: E402
-
-DEV = "cuda" if CUDA else "cpu"
-DTYPES = [torch.float32] + ([torch.bfloat16] if CUDA else [])
 
 
 def case(b, w, mode, *, slots=6, kvh=3, g=3, hd=64, length=300, window=False, dtype, seed):
@@ -126,14 +100,8 @@ def test_engine_on_the_kernel_decodes_like_the_reference(drafter):
                 return out
 
             eng.sdraft.forward = record
-        seqs = [eng.new_sequence(p, SamplingParams(max_tokens=12)) for p in PROMPTS[:4]]
-        eng.prefill_batch(seqs[:3])
-        eng.step_batch(seqs[:3], params)
-        eng.prefill(seqs[3])  # joins late
-        while not all(s.finished for s in seqs):
-            eng.step_batch([s for s in seqs if not s.finished], params)
         # the drafts too (accept lengths), not only the (lossless) output
-        outs[backend] = [(s.output, s.stats.accept_lengths) for s in seqs]
+        outs[backend] = decode_with_late_joiner(eng, PROMPTS[:4], params, 12)
         outs[backend + "-drafts"] = drafts
         if backend == "triton":  # context classes start at 512 (they only bound key splits)
             assert eng.target.ctx_bucket(5) == eng.target.ctx_bucket(500) == 512

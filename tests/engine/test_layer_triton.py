@@ -1,39 +1,38 @@
 """The fused layer kernels (ddserve.engine.layer_triton) equal the reference layer
 (ddserve.engine.static.layer_step): the layer's output and every key/value written into the
 pools, with and without q/k/v biases, for decode, tree and drafter-block shapes; and a static
-engine on them decodes token for token like one without (the DFlash drafter's layers too).
-Without a GPU the kernels run in triton's interpreter, as the attention kernel's tests do."""
+engine on them decodes token for token like one without (its DFlash drafter keeps torch's
+layers). Without a GPU the kernels run in triton's interpreter (tests/engine/triton_interpreter)."""
 
 import os
 
 import pytest
 import torch
 
-CUDA = torch.cuda.is_available()
-_was = os.environ.get("TRITON_INTERPRET")
-if not CUDA:
-    os.environ["TRITON_INTERPRET"] = "1"
-pytest.importorskip("triton")
+from tests.engine.triton_interpreter import (
+    CUDA,
+    DEV,
+    DTYPES,
+    interpreted,
+    interpreter,  # noqa: F401  (autouse fixture)
+)
+
+with interpreted():
+    from ddserve.engine.layer_triton import fused_layer_step
+
 from ddserve.config.engine import LiveParams  # noqa: E402
 from ddserve.engine import attention as A  # noqa: E402
 from ddserve.engine.dflash import DFlashDrafter  # noqa: E402
 from ddserve.engine.drafters import NoDrafter  # noqa: E402
-from ddserve.engine.layer_triton import fused_layer_step  # noqa: E402
 from ddserve.engine.llama import Block, LlamaConfig, Rotary  # noqa: E402
-from ddserve.engine.sampling import SamplingParams  # noqa: E402
 from ddserve.engine.static import fuse_weights, fused_layers_on, layer_step  # noqa: E402
 from ddserve.engine.static_engine import StaticEngine  # noqa: E402
 from ddserve.engine.weights import random_llama  # noqa: E402
 from ddserve.errors import ConfigError  # noqa: E402
-from tests.engine import test_attention  # noqa: E402,F401  (the interpreter's scalar patch)
+from tests.engine.reference import decode_with_late_joiner  # noqa: E402
 from tests.engine.test_batching import PROMPTS  # noqa: E402
 from tests.engine.test_lossless import random_dflash  # noqa: E402
 
-if _was is None:
-    os.environ.pop("TRITON_INTERPRET", None)
-
-DEV = "cuda" if CUDA else "cpu"
-DTYPES = [torch.float32] + ([torch.bfloat16] if CUDA else [])
 # hidden and intermediate sizes that are no multiple of the kernels' blocks (masked edges)
 CFG = dict(
     vocab_size=512,
@@ -47,12 +46,6 @@ CFG = dict(
     bos_token_id=1,
     eos_token_ids=(2,),
 )
-
-
-@pytest.fixture(autouse=True)
-def _interpreter(monkeypatch):
-    if not CUDA:
-        monkeypatch.setenv("TRITON_INTERPRET", "1")
 
 
 def random_block(bias: bool, dtype, seed: int) -> Block:
@@ -117,13 +110,7 @@ def test_engine_on_fused_layers_decodes_like_the_reference(drafter):
             model, d, 4, (), slots=4, max_context=128, graphs=CUDA, fused_layers=fused
         )
         assert eng.fused_layers == (fused == "on")
-        seqs = [eng.new_sequence(p, SamplingParams(max_tokens=10)) for p in PROMPTS[:4]]
-        eng.prefill_batch(seqs[:3])
-        eng.step_batch(seqs[:3], params)
-        eng.prefill(seqs[3])  # joins late
-        while not all(s.finished for s in seqs):
-            eng.step_batch([s for s in seqs if not s.finished], params)
-        outs[fused] = [(s.output, s.stats.accept_lengths) for s in seqs]
+        outs[fused] = decode_with_late_joiner(eng, PROMPTS[:4], params, 10)
     assert outs["on"] == outs["off"]
 
 

@@ -4,32 +4,21 @@ random drafts of many shapes, with ties (the heap's insertion order breaks them)
 -inf candidates (skipped); padding rows are inert. Without a GPU the kernel runs in triton's
 interpreter, as the attention kernel's tests do."""
 
-import os
-
 import numpy as np
 import pytest
 import torch
 
-CUDA = torch.cuda.is_available()
-_was = os.environ.get("TRITON_INTERPRET")
-if not CUDA:
-    os.environ["TRITON_INTERPRET"] = "1"
-pytest.importorskip("triton")
-from ddserve.engine.static import next_bucket  # noqa: E402
-from ddserve.engine.tree import Tree, ancestor_mask, build_tree_top, size_bound  # noqa: E402
-from ddserve.engine.tree_triton import build_trees  # noqa: E402
-from tests.engine import test_attention  # noqa: E402,F401  (the interpreter's scalar patch)
+from tests.engine.triton_interpreter import (
+    CUDA,
+    DEV,
+    interpreted,
+    interpreter,  # noqa: F401  (autouse fixture)
+)
 
-if _was is None:
-    os.environ.pop("TRITON_INTERPRET", None)
-
-DEV = "cuda" if CUDA else "cpu"
-
-
-@pytest.fixture(autouse=True)
-def _interpreter(monkeypatch):
-    if not CUDA:
-        monkeypatch.setenv("TRITON_INTERPRET", "1")
+with interpreted():
+    from ddserve.engine.static import next_bucket
+    from ddserve.engine.tree import Tree, ancestor_mask, build_tree_top, size_bound
+    from ddserve.engine.tree_triton import build_trees
 
 
 def random_drafts(rng, b, depth, kk, *, ties=False, holes=False):
