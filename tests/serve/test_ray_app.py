@@ -56,8 +56,11 @@ def test_openai_client_through_serve_on_both_replicas_and_nodes(serve_app):
             and r.model_extra["ddtree"]["verify_ms"] > 0
         )
     assert len(seen) == 2, seen
-    states = view(cfg)
-    assert {s.replica for s in states} == seen
+    # a replica Serve replaced while the application started (one that failed its start or
+    # a health check on a loaded machine) stays in the view, ended, with its reason, for a
+    # while; the live ones are exactly the two that answered
+    states = [s for s in view(cfg) if s.state not in (ReplicaState.FAILED, ReplicaState.DEAD)]
+    assert {s.replica for s in states} == seen, [s.to_dict() for s in view(cfg)]
     assert {s.state for s in states} == {ReplicaState.RUNNING}
     assert len({s.node_id for s in states}) == 2, "replicas must be spread over both nodes"
     assert {s.fingerprint for s in states} == {r.system_fingerprint}
