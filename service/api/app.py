@@ -66,10 +66,12 @@ def create_app(
     access_log: bool | None = None,
     stats_interval_s: float | None = None,
     api_key: str | None = None,
+    stream_interval: int = 1,
 ) -> FastAPI:
     """The OpenAI API over any backend (ddserve.api.backend.Backend: the contract), under
     `limits` (ddserve.api.limits: body size, deadline, admission); with `api_key`, /v1/* and
-    /generate need it as a Bearer token (ddserve.api.auth).
+    /generate need it as a Bearer token (ddserve.api.auth); streams send a chunk per
+    `stream_interval` tokens after the first (EngineConfig.stream_interval).
 
     A backend that is not metered yet gets a `MeteredBackend` with a Prometheus exporter,
     served at GET /metrics (the engine server); a `MeteredBackend` passed in keeps its own
@@ -108,7 +110,7 @@ def create_app(
         app.add_middleware(ApiKeyAuth, api_key=api_key)  # outside the body limit: 401 first
     if access_log:
         app.add_middleware(AccessLog)  # outermost: sees every answer, 401s and 413s included
-    s = Served(backend, limits)
+    s = Served(backend, limits, stream_interval)
 
     @app.exception_handler(DDServeError)
     async def _ddserve_error(_: Request, exc: DDServeError):

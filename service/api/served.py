@@ -16,7 +16,7 @@ from fastapi.responses import StreamingResponse
 
 from ddserve.api import openai_format as fmt
 from ddserve.api.backend import Backend
-from ddserve.api.generation import complete, resolve_sampling
+from ddserve.api.generation import complete, every_n_tokens, resolve_sampling
 from ddserve.api.limits import Admission, ServerLimits, deadline_stream, guarded
 from ddserve.api.protocol import Sampling
 from ddserve.api.text import TokenStrings, longest_token_chars
@@ -51,8 +51,9 @@ async def off_loop_if_long(chars: int, fn, *args):
 class Served:
     """One app's shared state and the steps its generation endpoints take."""
 
-    def __init__(self, backend: Backend, limits: ServerLimits):
+    def __init__(self, backend: Backend, limits: ServerLimits, stream_interval: int = 1):
         self.backend, self.limits = backend, limits
+        self.stream_interval = stream_interval  # tokens per stream chunk (after the first)
         self.model_id = backend.model_id
         self.started_at = time.time()
         self.totals = {
@@ -149,7 +150,10 @@ class Served:
             return None
 
     def stream_of(self, prompt: list[int], sp, deadline):
-        return deadline_stream(self.backend.stream(prompt, sp), deadline)
+        stream = self.backend.stream(prompt, sp)
+        if self.stream_interval > 1:
+            stream = every_n_tokens(stream, self.stream_interval)
+        return deadline_stream(stream, deadline)
 
     async def sse_response(self, stream: AsyncIterator[str]) -> StreamingResponse:
         body = await self.first_then_rest(stream)

@@ -263,6 +263,7 @@ async def _serve(a, config: EngineConfig, sock, admin_token, key, limits) -> int
             api_key=key,
             access_log=a.access_log,  # None: env DDSERVE_ACCESS_LOG
             stats_interval_s=a.stats_interval,  # None: env DDSERVE_STATS_INTERVAL, else 10
+            stream_interval=config.stream_interval,
         )
         print(
             f"ddserve engine: {config.model_id} on http://{a.host}:{a.port} (fingerprint {backend.fingerprint}, engine core pid {backend.process.pid}{', API key required' if key else ''})",

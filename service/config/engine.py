@@ -315,6 +315,13 @@ class EngineConfig(_Frozen):
         description="Most prompt tokens prefilled per round while other requests are decoding, so a long prompt is admitted in chunks between their rounds instead of stalling them (SGLang's --chunked-prefill-size). A prompt arriving to an idle engine is prefilled whole. -1 or 0 = no limit.",
         json_schema_extra={"flag": "--chunked-prefill-size"},
     )
+    stream_interval: int = Field(
+        1,
+        ge=1,
+        le=1024,
+        description="Tokens per streamed chunk (SGLang's and vLLM's --stream-interval): the first token is sent at once, then a chunk once this many more are out, and the last one at once. Larger values cut the server's work per token (JSON, HTTP writes, Ray's proxy) about that many times; clients see text in steps of that many tokens. 1 = a chunk per engine round.",
+        json_schema_extra={"flag": "--stream-interval"},
+    )
 
     @model_validator(mode="after")
     def _engine_rules(self) -> EngineConfig:
@@ -363,6 +370,8 @@ class EngineConfig(_Frozen):
             payload["speculative_adaptive"] = True
         if self.spec_max_batch is not None:
             payload["spec_max_batch"] = self.spec_max_batch
+        if self.stream_interval != 1:
+            payload["stream_interval"] = self.stream_interval
         digest = hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
         return "fp_" + digest[:10]
 

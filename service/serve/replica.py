@@ -162,6 +162,7 @@ class EngineReplica:
             title="ddserve",
             admin_enabled=False,
             api_key=self.cfg.api_key,
+            stream_interval=self.cfg.engine.stream_interval,
         )
         app.add_middleware(ResponseHeader, name="x-ddserve-replica", value=self.replica_id)
         return app

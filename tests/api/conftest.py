@@ -52,7 +52,8 @@ HF_KEY = "k-hf-9d1"
 def hf_engine(tmp_path_factory):
     """`ddserve engine --model DIR` on a tiny random Llama written by transformers as a Hugging
     Face directory (sharded safetensors, SmolLM2's tokenizer and chat template), with an API
-    key, the access log on and a stats line every 0.2 s. Yields (engine, directory)."""
+    key, the access log on, a stats line every 0.2 s and a stream chunk per 3 tokens. Yields
+    (engine, directory)."""
     from ddserve.engine.weights import load_tokenizer
     from tests.engine.test_hf_models import write_tiny_llama
 
@@ -61,5 +62,6 @@ def hf_engine(tmp_path_factory):
     key_file = directory.parent / "api-key"
     key_file.write_text(HF_KEY)
     flags = ["--access-log", "--stats-interval", "0.2", "--api-key-file", str(key_file)]
+    flags += ["--stream-interval", "3"]
     with running_engine("--model", str(directory), "--max-context", "128", *flags) as eng:
         yield eng, directory
