@@ -7,18 +7,24 @@
 # each measured with `ddserve bench` at C=1 and C=16 for synthetic prompts of ~30, ~1,000,
 # ~2,900 and ~7,200 tokens (128-token answers), then bench/admission.py (15 running streams
 # while a ~7,200-token prompt arrives).
+# Two more parts compare the admission policy alone (the default attention of the device):
+#   capped  --chunked-prefill-size 2048 --chunked-prefill-steps 0   (a fixed token cap)
+#   paced   --chunked-prefill-size 2048 --chunked-prefill-steps 2   (chunks paced by time: the default)
 #
-#   bench/long_context.sh OUT [before] [after]
-# env: PY (python3), DEVICE (cuda), LENGTHS (30,1000,2900,7200), LEVELS (1,16), REQ (32)
+#   bench/long_context.sh OUT [before] [after] [capped] [paced]
+# env: PY (python3), DEVICE (cuda), LENGTHS (30,1000,2900,7200; "" = admission only),
+#      LEVELS (1,16), REQ (32), MAXB (16), ADMISSION_ARGS (flags of bench/admission.py)
 set -u
 out=$1
 shift
 parts=${*:-before after}
 py=${PY:-python3}
 device=${DEVICE:-cuda}
-lengths=${LENGTHS:-30,1000,2900,7200}
+lengths=${LENGTHS-30,1000,2900,7200}
 levels=${LEVELS:-1,16}
 req=${REQ:-32}
+maxb=${MAXB:-16}
+admission_args=${ADMISSION_ARGS:-}
 mkdir -p "$out"
 
 source "$(dirname "$0")/common.sh"  # wait_url
@@ -28,11 +34,13 @@ for part in $parts; do
     case $part in
     before) flags="--attention-backend sdpa --chunked-prefill-size -1" ;;
     after) flags="--attention-backend triton --chunked-prefill-size 2048" ;;
+    capped) flags="--chunked-prefill-size 2048 --chunked-prefill-steps 0" ;;
+    paced) flags="--chunked-prefill-size 2048 --chunked-prefill-steps 2" ;;
     *) echo "unknown part $part"; exit 2 ;;
     esac
     port=30112
     # shellcheck disable=SC2086
-    $py -m ddserve engine --port $port --device "$device" --drafter none --max-batch 16 \
+    $py -m ddserve engine --port $port --device "$device" --drafter none --max-batch "$maxb" \
         --max-context 8192 $flags >"$out/$part-engine.log" 2>&1 &
     pid=$!
     if wait_url "http://127.0.0.1:$port" "$pid"; then
@@ -42,7 +50,8 @@ for part in $parts; do
                 --concurrency "$levels" --requests "$req" --max-tokens 128 --prompt-tokens "$n" \
                 --no-progress | grep -E "^ +[0-9]+ " | sed "s/^/$part p$n /"
         done
-        $py -m ddserve.bench.admission --url "http://127.0.0.1:$port" \
+        # shellcheck disable=SC2086
+        $py -m ddserve.bench.admission --url "http://127.0.0.1:$port" $admission_args \
             --out "$out/$part-admission.json" | grep -E "ttft|p99_over|max_over|running"
     else
         echo "$part: engine did not come up"; tail -5 "$out/$part-engine.log"

@@ -39,22 +39,38 @@ FIELDS = (
 TICK_S = 1 / os.sysconf("SC_CLK_TCK")
 
 
-def cpu_s(pid: int) -> float:
-    """User + system CPU seconds of one process so far (/proc/PID/stat)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+def cpu_s(pid: int) -> float | None:
+    """User + system CPU seconds of one process so far (/proc/PID/stat); None once gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
     return (int(fields[11]) + int(fields[12])) * TICK_S
 
 
 def children(pid: int) -> list[int]:
     out = []
     for task in Path(f"/proc/{pid}/task").iterdir():
-        out += [int(c) for c in (task / "children").read_text().split()]
+        try:
+            out += [int(c) for c in (task / "children").read_text().split()]
+        except FileNotFoundError:  # a thread that ended meanwhile
+            continue
     return out
 
 
-def server_cpu(pid: int) -> tuple[float, float]:
-    """(the API process's CPU seconds, its children's: the engine core)."""
-    return cpu_s(pid), sum(cpu_s(c) for c in children(pid))
+def measured_bench(eng: EngineProcess, run) -> tuple[float, float]:
+    """run(); the CPU seconds the server's API process and its engine core (the children it
+    had when the run began: a child that exits meanwhile is left out) spent over it."""
+    kids = children(eng.pid)
+    api0, core0 = cpu_s(eng.pid), {c: cpu_s(c) for c in kids}
+    run()
+    api1 = cpu_s(eng.pid)
+    core = 0.0
+    for c, before in core0.items():
+        after = cpu_s(c)
+        if before is not None and after is not None:
+            core += after - before
+    return (api1 or 0.0) - (api0 or 0.0), core
 
 
 def start(name: str, port: int, engine_args: str, pythonpath: str | None, extra: dict, out: Path):
@@ -77,15 +93,15 @@ def start(name: str, port: int, engine_args: str, pythonpath: str | None, extra:
 
 def bench(eng: EngineProcess, bench_args: str, out: Path) -> dict:
     cmd = [sys.executable, "-m", "ddserve", "bench", "--url", eng.url, "--out", str(out)]
-    api0, core0 = server_cpu(eng.pid)
-    subprocess.run([*cmd, "--no-progress", *shlex.split(bench_args)], check=True)
-    api1, core1 = server_cpu(eng.pid)
+    api_s, core_s = measured_bench(
+        eng, lambda: subprocess.run([*cmd, "--no-progress", *shlex.split(bench_args)], check=True)
+    )
     level = json.loads((out / "bench.json").read_text())["levels"]
     level = level[0] if isinstance(level, list) else level
     # the warm-up's tokens are not in output_tokens: a small overestimate, alike on both sides
     tokens = max(level.get("output_tokens") or 0, 1)
-    level["api_cpu_us_per_token"] = round((api1 - api0) / tokens * 1e6, 1)
-    level["core_cpu_us_per_token"] = round((core1 - core0) / tokens * 1e6, 1)
+    level["api_cpu_us_per_token"] = round(api_s / tokens * 1e6, 1)
+    level["core_cpu_us_per_token"] = round(core_s / tokens * 1e6, 1)
     return {k: level.get(k) for k in FIELDS}
 
 
@@ -157,7 +173,11 @@ def main(argv: list[str] | None = None) -> int:
         "passes": runs,
         "median": med,
         "b_over_a_tok_s": round(b["output_tok_s"] / a["output_tok_s"], 3),
-        "b_over_a_api_cpu": round(b["api_cpu_us_per_token"] / a["api_cpu_us_per_token"], 3),
+        "b_over_a_api_cpu": (
+            round(b["api_cpu_us_per_token"] / a["api_cpu_us_per_token"], 3)
+            if a["api_cpu_us_per_token"]
+            else None
+        ),
     }
     (args.out / "ab.json").write_text(json.dumps(result, indent=1))
     print(

@@ -7,8 +7,7 @@
 #
 #   bench/stream_interval.sh OUT [http] [ray]
 # env: PY (python), INTERVALS ("1 4"), C (32), REQ (128), TOKENS (128), PROMPTS (humaneval),
-#      ENGINE_ARGS ("--model tiny-random:7 --drafter none"; for `ddserve up` the same as YAML via
-#      MODEL/DRAFTER: tiny-random:7 / none), MAXB (64)
+#      MODEL (tiny-random:7), DRAFTER (none), MAXB (64)
 # then: python -m ddserve.bench.stream_interval_report OUT   (table, JSON, PNG)
 set -u
 out=$1
@@ -31,10 +30,14 @@ busy() { awk '/^cpu /{print $2+$3+$4+$7+$8}' /proc/stat; }  # user nice system i
 measure() {  # URL LEG: one `ddserve bench`, and the machine's CPU jiffies over it
     local b0 b1
     b0=$(busy)
-    $py -m ddserve bench --url "$1" --out "$out/$2" --concurrency "$c" --requests "$req" \
-        --max-tokens "$tokens" --prompts "$prompts" --no-progress | grep -E "^ +$c "
-    b1=$(busy)
-    echo "{\"busy_jiffies\": $((b1 - b0)), \"hz\": $(getconf CLK_TCK)}" >"$out/$2/cpu.json"
+    if $py -m ddserve bench --url "$1" --out "$out/$2" --concurrency "$c" --requests "$req" \
+        --max-tokens "$tokens" --prompts "$prompts" --no-progress >"$out/$2.log" 2>&1; then
+        b1=$(busy)
+        grep -E "^ +$c " "$out/$2.log"
+        echo "{\"busy_jiffies\": $((b1 - b0)), \"hz\": $(getconf CLK_TCK)}" >"$out/$2/cpu.json"
+    else
+        echo "$2: bench failed"; tail -3 "$out/$2.log"
+    fi
 }
 
 for part in $parts; do

@@ -78,7 +78,7 @@ def with_sglang(cfg: EngineConfig, **changes) -> EngineConfig:
 @needs_parser
 @pytest.mark.parametrize("preset", list(PRESETS))
 def test_each_preset_parses_with_upstream_sglang(kimi, preset):
-    e = with_sglang(kimi.engine, preset=preset).model_copy(update={"stream_interval": 4})
+    e = with_sglang(kimi.engine, preset=preset)
     m = PRESETS[preset]
     cmd = sglang_command(e, "127.0.0.1", 31000)
     assert cmd[:3] == [e.sglang.python, "-m", "sglang.launch_server"]
@@ -101,7 +101,6 @@ def test_each_preset_parses_with_upstream_sglang(kimi, preset):
         and parsed["host"] == "127.0.0.1"
     )
     assert parsed["served_model_name"] == "kimi-k2" and parsed["mem_fraction_static"] == 0.85
-    assert parsed["stream_interval"] == 4  # --stream-interval: SGLang streams to us in steps too
     assert sglang_environ(e) == {var: str(getattr(e.params, n)) for n, var in m.env.items()}
 
 

@@ -42,43 +42,53 @@ class Delta:
     stats: RequestStats | None = None
     logprobs: list[TokenLogprob] | None = None
 
-    def merged(self, later: Delta) -> Delta:
-        """This piece and the `later` one as one (their text, tokens and log-probs in order;
-        the later one's fingerprint, finish and stats)."""
-        logprobs = self.logprobs
-        if later.logprobs is not None:
-            logprobs = (logprobs or []) + later.logprobs
-        return Delta(
-            self.text + later.text,
-            self.token_ids + later.token_ids,
-            later.fingerprint,
-            later.finish_reason,
-            later.stats,
-            logprobs,
+    @classmethod
+    def joined(cls, pieces: list[Delta]) -> Delta:
+        """Consecutive pieces as one: their text, tokens and log-probs in order; the last
+        one's fingerprint, finish and stats."""
+        last = pieces[-1]
+        if len(pieces) == 1:
+            return last
+        lps = [p.logprobs for p in pieces if p.logprobs is not None]
+        return cls(
+            "".join(p.text for p in pieces),
+            [t for p in pieces for t in p.token_ids],
+            last.fingerprint,
+            last.finish_reason,
+            last.stats,
+            [e for lp in lps for e in lp] if lps else None,
         )
 
 
 async def every_n_tokens(stream: AsyncIterator[Delta], n: int) -> AsyncIterator[Delta]:
-    """SGLang's and vLLM's --stream-interval: the first piece at once (time to first token
-    is untouched), then the pieces merged until they hold `n` tokens, the last one (with its
-    finish_reason) at once. Fewer, larger stream chunks: the API process's work per token
-    (JSON, the HTTP write, Ray's proxy) falls about n-fold; a client sees text in steps of
-    about n tokens. Closing this closes `stream` (the generation is cancelled)."""
+    """SGLang's and vLLM's --stream-interval: the first piece with something to show (text,
+    log-probs or a finish) at once, so time to first token is untouched; then the pieces
+    joined until they hold `n` tokens; the last one (its finish_reason) at once. An error
+    from `stream` (the engine's, the deadline's) comes after the pieces held so far, as with
+    n = 1. Fewer, larger stream chunks: the API process's work per token (JSON, the HTTP
+    write, Ray's proxy) falls about n-fold; a client sees text in steps of about n tokens.
+    Closing this closes `stream` (the generation is cancelled)."""
     async with contextlib.aclosing(stream):
-        held: Delta | None = None
-        count, first = 0, True
-        async for d in stream:
-            if first:
-                first = False
-                yield d
-                continue
-            held = d if held is None else held.merged(d)
-            count += len(d.token_ids)
-            if count >= n or d.finish_reason is not None:
-                yield held
-                held, count = None, 0
-        if held is not None:  # a stream that ended without a finish (a backend's error)
-            yield held
+        held: list[Delta] = []
+        count, shown = 0, False
+        try:
+            async for d in stream:
+                held.append(d)
+                count += len(d.token_ids)
+                if (
+                    d.finish_reason is not None
+                    or count >= n
+                    or (not shown and (d.text or d.logprobs))
+                ):
+                    shown = True
+                    yield Delta.joined(held)
+                    held, count = [], 0
+        except Exception:
+            if held:
+                yield Delta.joined(held)
+            raise
+        if held:  # a stream that ended without a finish
+            yield Delta.joined(held)
 
 
 @dataclass

@@ -150,10 +150,12 @@ class Served:
             return None
 
     def stream_of(self, prompt: list[int], sp, deadline):
-        stream = self.backend.stream(prompt, sp)
+        # the deadline bounds the wait for each engine output; a chunk holding several
+        # outputs is sent before its error when one comes
+        stream = deadline_stream(self.backend.stream(prompt, sp), deadline)
         if self.stream_interval > 1:
             stream = every_n_tokens(stream, self.stream_interval)
-        return deadline_stream(stream, deadline)
+        return stream
 
     async def sse_response(self, stream: AsyncIterator[str]) -> StreamingResponse:
         body = await self.first_then_rest(stream)

@@ -73,6 +73,4 @@ def sglang_command(cfg: EngineConfig, host: str, port: int) -> list[str]:
         cmd += ["--mem-fraction-static", str(s.mem_fraction_static)]
     if s.context_length is not None:
         cmd += ["--context-length", str(s.context_length)]
-    if cfg.stream_interval > 1:  # SGLang's own flag: it sends us fewer, larger chunks too
-        cmd += ["--stream-interval", str(cfg.stream_interval)]
     return cmd + list(s.extra_args)

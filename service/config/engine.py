@@ -315,11 +315,18 @@ class EngineConfig(_Frozen):
         description="Most prompt tokens prefilled per round while other requests are decoding, so a long prompt is admitted in chunks between their rounds instead of stalling them (SGLang's --chunked-prefill-size). A prompt arriving to an idle engine is prefilled whole. -1 or 0 = no limit.",
         json_schema_extra={"flag": "--chunked-prefill-size"},
     )
+    chunked_prefill_steps: float = Field(
+        2.0,
+        ge=0,
+        le=1000,
+        description="While requests decode, a round's prompt chunk is sized to take about this many of their decode steps, measured on this engine's own rounds (ddserve.engine.prefill_pacing), within --chunked-prefill-size: a round that admits a long prompt then takes about 1 + this many steps, whatever the model, GPU or context length. 0 = the token cap alone.",
+        json_schema_extra={"flag": "--chunked-prefill-steps"},
+    )
     stream_interval: int = Field(
         1,
         ge=1,
         le=1024,
-        description="Tokens per streamed chunk (SGLang's and vLLM's --stream-interval): the first token is sent at once, then a chunk once this many more are out, and the last one at once. Larger values cut the server's work per token (JSON, HTTP writes, Ray's proxy) about that many times; clients see text in steps of that many tokens. 1 = a chunk per engine round.",
+        description="Tokens per streamed chunk (SGLang's and vLLM's --stream-interval): the first token is sent at once, then a chunk once this many more are out, and the last one at once. Larger values cut the server's work per token (JSON, HTTP writes, Ray's proxy) about that many times; clients see text in steps of that many tokens. 1 = a chunk per engine round. Done in ddserve's API for every engine kind (SGLang's own flag counts tokens differently under speculation: set it through sglang.extra_args if wanted).",
         json_schema_extra={"flag": "--stream-interval"},
     )
 

@@ -35,6 +35,7 @@ import torch
 from ddserve.config.engine import EngineConfig, LiveParams
 from ddserve.engine.adaptive import SpecPolicy, candidates
 from ddserve.engine.drafters import Drafter, ModelDrafter, NGramDrafter, NoDrafter
+from ddserve.engine.prefill_pacing import PrefillPacer
 from ddserve.engine.sampling import Logprobs, RequestStats, SamplingParams
 from ddserve.engine.sequence import Sequence
 from ddserve.engine.static_engine import StaticEngine
@@ -175,6 +176,8 @@ class EngineRunner:
         self.load_s = 0.0
         self.policy: SpecPolicy | None = None  # adaptive speculation (made at load)
         self.last_budget = 0  # the budget of the last round (a gauge)
+        # prompt tokens a round prefills while others decode (chunked prefill, paced by time)
+        self.pacer = PrefillPacer(config.chunked_prefill_size, config.chunked_prefill_steps)
 
     # -- lifecycle --------------------------------------------------------------------
     def start(self) -> None:
@@ -401,10 +404,13 @@ class EngineRunner:
             joining.append(req)
         if joining:  # the new requests' prompts in one batch; one by one if that fails
             # while others decode, a bounded chunk per round (chunked prefill); alone, all of it
-            size = self.config.chunked_prefill_size
-            budget = size if ready and size > 0 else None
+            budget = self.pacer.budget(decoding=bool(ready))
+            before, t0 = sum(r.seq.cache.length for r in joining), time.perf_counter()
             try:
                 self.engine.prefill_batch([r.seq for r in joining], budget)
+                if ready:
+                    spent = sum(r.seq.cache.length for r in joining) - before
+                    self.pacer.prefilled(spent, time.perf_counter() - t0)
             except Exception:
                 for req in joining:
                     req.seq.hidden_new.clear()  # start each prompt over on its own
@@ -431,6 +437,7 @@ class EngineRunner:
         t0 = time.perf_counter()
         try:
             news = self.engine.step_batch([r.seq for r in ready], params)
+            self.pacer.stepped(time.perf_counter() - t0)
         except Exception:
             if self.policy is not None:
                 self._adapt("failed", rows, budget)

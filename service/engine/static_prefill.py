@@ -51,8 +51,9 @@ class Prefill:
         """Prefill the prompts (all but their last token) of up to PREFILL_ROWS requests per
         forward, in chunks of fixed widths; each row reads and writes its own slot. With
         `max_tokens`, chunks are at most that wide and the call stops once that many prompt
-        tokens went in (the last forward may pass it by a chunk per row); a later call goes on
-        where this one stopped (`prefilled` says when a prompt is in)."""
+        tokens went in, or what is left of it is below the narrowest chunk (the first forward
+        always runs; with several rows a forward may pass the budget by a chunk per row); a
+        later call goes on where this one stopped (`prefilled` says when a prompt is in)."""
         spent = 0
         for at in range(0, len(seqs), PREFILL_ROWS):
             left = None if max_tokens is None else max_tokens - spent
@@ -67,8 +68,10 @@ class Prefill:
         spent = 0
         while max_tokens is None or spent < max_tokens:
             todo = [i for i, h in enumerate(heads) if seqs[i].cache.length < len(h)]
-            if not todo:
-                break
+            if not todo or (
+                max_tokens is not None and spent and max_tokens - spent < self.chunks[0]
+            ):
+                break  # done, or what is left of the budget is below the narrowest chunk
             cap = self.chunks[-1]
             if max_tokens is not None:  # the widest chunk within what is left of the budget
                 cap = max([c for c in self.chunks if c <= max_tokens - spent] or [self.chunks[0]])
@@ -96,6 +99,8 @@ class Prefill:
                     seqs[i].hidden_new.append(taps[r * w : r * w + n].clone())
                 seqs[i].cache.length += n
                 spent += n
+        if self.model.device.type == "cuda":  # the work done, not its launch (stats, pacing)
+            torch.cuda.synchronize()
         elapsed = time.perf_counter() - t0
         for seq in seqs:
             seq.stats.prefill_s += elapsed

@@ -6,8 +6,10 @@ import asyncio
 import math
 
 import openai
+import pytest
 
 from ddserve.api.generation import Delta, TokenLogprob, every_n_tokens
+from ddserve.errors import EngineError
 from tests.api.conftest import HF_KEY
 
 
@@ -45,6 +47,31 @@ def test_first_at_once_then_every_n_tokens_then_the_last_at_once():
         [0, 1],
         [2, 3, 4, 5, 6],
     ]
+
+
+def test_an_error_comes_after_the_pieces_held():
+    async def source():
+        for i in range(3):
+            yield piece(i)
+        raise EngineError("engine failure: boom")
+
+    async def run():
+        got = []
+        with pytest.raises(EngineError):
+            async for d in every_n_tokens(source(), 4):
+                got.append(d.token_ids)
+        return got
+
+    assert asyncio.run(run()) == [[0], [1, 2]]
+
+
+def test_the_first_text_goes_out_at_once_even_after_empty_pieces():
+    """A first piece with no text yet (a held-back stop-string prefix, half a UTF-8
+    character) does not use up the piece sent at once."""
+    pieces = [Delta("", [1], "f"), Delta("x", [2], "f"), Delta("y", [3], "f")]
+    pieces += [Delta("z", [4], "f"), Delta("w", [5], "f", "stop")]
+    out = collect(pieces, 4)
+    assert [(d.text, d.token_ids) for d in out] == [("x", [1, 2]), ("yzw", [3, 4, 5])]
 
 
 def test_pieces_without_logprobs_stay_without():

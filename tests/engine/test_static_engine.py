@@ -364,23 +364,28 @@ def test_compiled_layers_decode_like_eager_ones(tiny):
         assert run_lockstep(eng, PROMPTS, sampling, params, join_late={2}) == alone
 
 
-@pytest.mark.parametrize("chunk", [16, -1])
-def test_long_prompt_is_admitted_between_running_rounds(chunk):
+@pytest.mark.parametrize(
+    "chunk,steps", [(16, 0), (-1, 0), (-1, 0.25)], ids=["16-tokens", "no-limit", "paced"]
+)
+def test_long_prompt_is_admitted_between_running_rounds(chunk, steps):
     """A 300-token prompt arrives while a request is decoding. With chunked_prefill_size=16
     the running request keeps getting tokens while the prompt goes in (many of its rounds
-    pass before the newcomer's first token); with -1 (no limit) the prompt goes in at once.
-    Both answers are what each gets alone."""
+    pass before the newcomer's first token); with -1 (no limit) the prompt goes in at once;
+    with no token cap but chunked_prefill_steps=0.25 (chunks paced to a quarter of a decode
+    step) a 1,200-token prompt over many rounds again. Every answer is what each gets alone."""
     cfg = EngineConfig(
         model="tiny-random",
         device="cpu",
         max_batch=2,
         chunked_prefill_size=chunk,
+        chunked_prefill_steps=steps,
         drafter={"kind": "none"},
         params={"budget": 0},
     )
     runner = EngineRunner(cfg)
     runner.start()
-    long_prompt = torch.randint(3, 500, (300,), generator=torch.Generator().manual_seed(2))
+    n_long = 1200 if steps else 300
+    long_prompt = torch.randint(3, 500, (n_long,), generator=torch.Generator().manual_seed(2))
     long_prompt = long_prompt.tolist()
     try:
 
@@ -403,7 +408,12 @@ def test_long_prompt_is_admitted_between_running_rounds(chunk):
             return await short, long, during
 
         short, long, during = asyncio.run(main())
-        assert (during >= 10) if chunk == 16 else (during <= 3), during
+        if chunk == 16:
+            assert during >= 10, during
+        elif steps:  # the first chunk (FIRST_TOKENS) goes in unmeasured, then paced ones
+            assert during >= 6 and runner.pacer.token_s is not None, during
+        else:
+            assert during <= 3, during
         assert short == asyncio.run(asyncio.wait_for(_collect(runner, [1, 5, 9], 80), 60))
         assert long == asyncio.run(asyncio.wait_for(_collect(runner, long_prompt, 4), 60))
     finally:

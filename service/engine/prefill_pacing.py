@@ -1,0 +1,56 @@
+"""Chunked prefill paced by time (the runner's admission of long prompts, issue 18).
+
+While requests decode, every round that also prefills a newcomer's prompt makes them wait for
+that prefill: a 2,048-token chunk at ~5k keys cost ~10 ms next to a ~2 ms decode step on the
+H200, so the running streams saw an 8x gap. A fixed token cap (`--chunked-prefill-size`, as
+SGLang's) cannot fit every model, GPU and context length; here the chunk is sized from this
+engine's own measured rounds instead:
+
+    tokens = steps x (decode step time) / (prefill time per token)
+
+both as moving averages of recent rounds (prefill measured on chunks taken while others
+decoded, so at the sizes in use: a smaller chunk costs more per token, which steers the next
+one back up: the size settles where a chunk takes `steps` decode steps). A round that
+prefills then takes about 1 + `steps` decode steps. Within `--chunked-prefill-size`, at least
+MIN_TOKENS; FIRST_TOKENS before any chunk is measured. An idle engine prefills whole.
+"""
+
+from __future__ import annotations
+
+MIN_TOKENS = 16  # the narrowest prefill chunk
+FIRST_TOKENS = 256  # before a chunk was measured
+SMOOTHING = 0.5  # weight of the newest measurement (contexts grow over a long prompt)
+
+
+class PrefillPacer:
+    def __init__(self, max_tokens: int, steps: float):
+        self.max_tokens = max_tokens if max_tokens > 0 else None  # -1 / 0: no token cap
+        self.steps = steps  # 0: the token cap only
+        self.step_s: float | None = None
+        self.token_s: float | None = None
+
+    def budget(self, decoding: bool) -> int | None:
+        """Prompt tokens the next round may prefill; None = all of them."""
+        if not decoding:
+            return None
+        if self.steps <= 0 or self.step_s is None:
+            return self.max_tokens
+        if self.token_s is None:
+            n = FIRST_TOKENS
+        else:
+            n = max(MIN_TOKENS, int(self.steps * self.step_s / self.token_s))
+        return n if self.max_tokens is None else min(n, self.max_tokens)
+
+    def prefilled(self, tokens: int, seconds: float) -> None:
+        """A chunk prefilled while others decoded: `tokens` in `seconds` (device work done)."""
+        if tokens > 0 and seconds > 0:
+            self.token_s = _smooth(self.token_s, seconds / tokens)
+
+    def stepped(self, seconds: float) -> None:
+        """A decode round (draft + verify) of the running requests took `seconds`."""
+        if seconds > 0:
+            self.step_s = _smooth(self.step_s, seconds)
+
+
+def _smooth(old: float | None, new: float) -> float:
+    return new if old is None else (1 - SMOOTHING) * old + SMOOTHING * new
