@@ -110,6 +110,11 @@ async def run(a) -> dict:
     window_hi = first + (percentile(every, 0.99) or 0) / 1e3
     during = [g for s in stamps for g in gaps_ms(s, sent, window_hi)]
     still = sum(1 for s in stamps if s and s[-1] > first)  # streams still running after
+    # where the longest gap in the window ended, after the long prompt was sent (a first-use
+    # cost, the first chunk, the newcomer's first step: a timeline tells them apart)
+    ends = [
+        (b - a, b) for s in stamps for a, b in zip(s, s[1:], strict=False) if sent <= b <= window_hi
+    ]
     out = {
         "url": a.url,
         "model": model,
@@ -120,6 +125,7 @@ async def run(a) -> dict:
         "streams_running_at_admission": still,
         "all": summary(every),
         "admission_window": summary(during),
+        "longest_gap_ended_ms_after_send": round((max(ends)[1] - sent) * 1e3, 1) if ends else None,
     }
     out["admission_p99_over_all_p50"] = round(
         out["admission_window"]["p99_ms"] / max(out["all"]["p50_ms"], 1e-9), 2

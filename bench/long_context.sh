@@ -52,7 +52,7 @@ for part in $parts; do
         done
         # shellcheck disable=SC2086
         $py -m ddserve.bench.admission --url "http://127.0.0.1:$port" $admission_args \
-            --out "$out/$part-admission.json" | grep -E "ttft|p99_over|max_over|running"
+            --out "$out/$part-admission.json" | grep -E "ttft|p99_over|max_over|running|longest"
     else
         echo "$part: engine did not come up"; tail -5 "$out/$part-engine.log"
     fi

@@ -10,16 +10,23 @@ engine's own measured rounds instead:
 
 both as moving averages of recent rounds (prefill measured on chunks taken while others
 decoded, so at the sizes in use: a smaller chunk costs more per token, which steers the next
-one back up: the size settles where a chunk takes `steps` decode steps). A round that
-prefills then takes about 1 + `steps` decode steps. Within `--chunked-prefill-size`, at least
-MIN_TOKENS; FIRST_TOKENS before any chunk is measured. An idle engine prefills whole.
+one back up: the size settles where a chunk takes `steps` decode steps; only chunks that
+filled their budget count, a prompt's padded tail would read as slow). A round that prefills
+then takes about 1 + `steps` decode steps; several prompts joining at once share it. Within
+`--chunked-prefill-size`, at least MIN_TOKENS (short prompts are never split: where even that
+many tokens take longer than `steps` decode steps, as on a CPU, rounds that admit a long
+prompt take longer than the target); FIRST_TOKENS before any chunk is measured. An idle
+engine prefills whole.
 """
 
 from __future__ import annotations
 
-MIN_TOKENS = 16  # the narrowest prefill chunk
-FIRST_TOKENS = 256  # before a chunk was measured
+# the least a round prefills: a prompt this short (most chat turns) goes in whole, only long
+# ones are paced (as vLLM's long_prefill_token_threshold); on a GPU the paced size is larger
+MIN_TOKENS = 256
+FIRST_TOKENS = MIN_TOKENS  # before a chunk was measured
 SMOOTHING = 0.5  # weight of the newest measurement (contexts grow over a long prompt)
+SPIKE = 4.0  # a step counts as at most this many times the average
 
 
 class PrefillPacer:
@@ -47,8 +54,12 @@ class PrefillPacer:
             self.token_s = _smooth(self.token_s, seconds / tokens)
 
     def stepped(self, seconds: float) -> None:
-        """A decode round (draft + verify) of the running requests took `seconds`."""
+        """A decode round (draft + verify) of the running requests took `seconds`. A spike
+        (a graph captured on first use, a drafter catching up on a newcomer's prompt) counts
+        as at most SPIKE times the average: one slow step never lets a whole prompt in."""
         if seconds > 0:
+            if self.step_s is not None:
+                seconds = min(seconds, SPIKE * self.step_s)
             self.step_s = _smooth(self.step_s, seconds)
 
 

@@ -408,7 +408,9 @@ class EngineRunner:
             before, t0 = sum(r.seq.cache.length for r in joining), time.perf_counter()
             try:
                 self.engine.prefill_batch([r.seq for r in joining], budget)
-                if ready:
+                # paced chunks only, and only full ones (a prompt's padded tail costs a
+                # chunk's time for fewer tokens)
+                if ready and not all(self.engine.prefilled(r.seq) for r in joining):
                     spent = sum(r.seq.cache.length for r in joining) - before
                     self.pacer.prefilled(spent, time.perf_counter() - t0)
             except Exception:

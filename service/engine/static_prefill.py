@@ -52,12 +52,13 @@ class Prefill:
         forward, in chunks of fixed widths; each row reads and writes its own slot. With
         `max_tokens`, chunks are at most that wide and the call stops once that many prompt
         tokens went in, or what is left of it is below the narrowest chunk (the first forward
-        always runs; with several rows a forward may pass the budget by a chunk per row); a
-        later call goes on where this one stopped (`prefilled` says when a prompt is in)."""
+        always runs); each forward's rows share what is left (at least the narrowest chunk
+        each, so several rows may pass it by that much); a later call goes on where this one
+        stopped (`prefilled` says when a prompt is in)."""
         spent = 0
         for at in range(0, len(seqs), PREFILL_ROWS):
             left = None if max_tokens is None else max_tokens - spent
-            if left is not None and left <= 0:
+            if left is not None and (left <= 0 or (spent and left < self.chunks[0])):
                 break
             spent += self._prefill_rows(seqs[at : at + PREFILL_ROWS], left)
 
@@ -73,8 +74,9 @@ class Prefill:
             ):
                 break  # done, or what is left of the budget is below the narrowest chunk
             cap = self.chunks[-1]
-            if max_tokens is not None:  # the widest chunk within what is left of the budget
-                cap = max([c for c in self.chunks if c <= max_tokens - spent] or [self.chunks[0]])
+            if max_tokens is not None:  # the widest chunk within each row's share of what is left
+                share = (max_tokens - spent) // len(todo)
+                cap = max([c for c in self.chunks if c <= share] or [self.chunks[0]])
             n_max = max(min(len(heads[i]) - seqs[i].cache.length, cap) for i in todo)
             w = next(c for c in self.chunks if c >= n_max)
             b = next_bucket(len(todo), 1, PREFILL_ROWS)

@@ -226,6 +226,23 @@ def test_batched_prefill_of_long_and_short_prompts(tiny, chunk):
     assert [s.stats.accept_lengths for s in seqs] == [s.stats.accept_lengths for s in alone]
 
 
+def test_a_prefill_budget_bounds_the_whole_call(tiny):
+    """A budgeted prefill (chunks of 16/64/256 here) spends at most the budget, over all the
+    rows of a forward: one prompt and 100 tokens -> 64 + 16 + 16 (a remainder below the
+    narrowest chunk starts no forward); four prompts and 200 tokens -> rows of 16 sharing it."""
+    gen = torch.Generator().manual_seed(5)
+    eng = StaticEngine(tiny, NoDrafter(), 6, (), slots=4, max_context=512, graphs=False)
+    long = [torch.randint(3, 500, (300,), generator=gen).tolist() for _ in range(4)]
+    seqs = [eng.new_sequence(p, SamplingParams(max_tokens=4)) for p in long]
+    eng.prefill_batch(seqs[:1], max_tokens=100)
+    assert seqs[0].cache.length == 96
+    eng.prefill_batch(seqs[1:], max_tokens=100)  # three rows: 48, then 16 each again
+    assert [s.cache.length for s in seqs[1:]] == [32, 32, 32]
+    before = sum(s.cache.length for s in seqs)
+    eng.prefill_batch(seqs, max_tokens=200)
+    assert 0 < sum(s.cache.length for s in seqs) - before <= 200
+
+
 def test_spec_max_batch_switches_crowded_rounds_to_plain_decoding():
     """With spec_max_batch=1, rounds of several requests verify roots only: outputs stay
     those of each request alone, in more rounds. (Budget-0 rounds with a DFlash drafter,
@@ -365,14 +382,14 @@ def test_compiled_layers_decode_like_eager_ones(tiny):
 
 
 @pytest.mark.parametrize(
-    "chunk,steps", [(16, 0), (-1, 0), (-1, 0.25)], ids=["16-tokens", "no-limit", "paced"]
+    "chunk,steps", [(16, 0), (-1, 0), (-1, 0.05)], ids=["16-tokens", "no-limit", "paced"]
 )
 def test_long_prompt_is_admitted_between_running_rounds(chunk, steps):
     """A 300-token prompt arrives while a request is decoding. With chunked_prefill_size=16
     the running request keeps getting tokens while the prompt goes in (many of its rounds
     pass before the newcomer's first token); with -1 (no limit) the prompt goes in at once;
-    with no token cap but chunked_prefill_steps=0.25 (chunks paced to a quarter of a decode
-    step) a 1,200-token prompt over many rounds again. Every answer is what each gets alone."""
+    with no token cap but chunked_prefill_steps=0.05 (chunks paced to a twentieth of a decode
+    step, at least MIN_TOKENS) a 1,900-token prompt over many rounds again. Every answer is what each gets alone."""
     cfg = EngineConfig(
         model="tiny-random",
         device="cpu",
@@ -384,7 +401,7 @@ def test_long_prompt_is_admitted_between_running_rounds(chunk, steps):
     )
     runner = EngineRunner(cfg)
     runner.start()
-    n_long = 1200 if steps else 300
+    n_long = 1900 if steps else 300
     long_prompt = torch.randint(3, 500, (n_long,), generator=torch.Generator().manual_seed(2))
     long_prompt = long_prompt.tolist()
     try:
