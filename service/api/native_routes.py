@@ -74,7 +74,7 @@ def register(app: FastAPI, s: Served) -> None:
 
         async def chunks():
             text, ids = "", []
-            async for d in s.stream_of(prompt, sp, deadline):
+            async for d in s.stream_of(prompt, sp, deadline, p.stream_interval):
                 text, ids = text + d.text, ids + d.token_ids
                 if d.finish_reason is not None:
                     s.record(d.stats)

@@ -65,7 +65,7 @@ def register(app: FastAPI, s: Served) -> None:
 
         async def chunks():
             created, sent_role = int(time.time()), False
-            async for d in s.stream_of(prompt, sp, deadline):
+            async for d in s.stream_of(prompt, sp, deadline, req.stream_interval):
                 if not sent_role:
                     yield fmt.sse(
                         fmt.chat_chunk(
@@ -154,7 +154,10 @@ def register(app: FastAPI, s: Served) -> None:
 
         async def chunks():
             created, finished = int(time.time()), []
-            streams = [s.stream_of(p, sp, deadline) for p, sp in zip(prompts, sps, strict=True)]
+            streams = [
+                s.stream_of(p, sp, deadline, req.stream_interval)
+                for p, sp in zip(prompts, sps, strict=True)
+            ]
             try:
                 async for i, d in interleave(streams):
                     text = echoes[i] + d.text

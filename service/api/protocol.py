@@ -23,6 +23,12 @@ SEED = f"Seed of the request's sampler, in [{MIN_SEED}, {MAX_SEED}]; none: a fre
 MAX_PROMPTS = 64
 
 
+STREAM_INTERVAL = (
+    "Extension (vLLM's and SGLang's request-level stream_interval): tokens per streamed chunk "
+    "after the first; raises the server's --stream-interval for this request, never lowers it."
+)
+
+
 class _Body(BaseModel):
     # unknown fields that cannot change the answer (user, metadata, store, ...) are accepted
     # and ignored; the OpenAI parameters that would change it and the engine does not do are
@@ -94,6 +100,7 @@ class Sampling(_Body):
     ignore_eos: bool = Field(False, description="Extension: keep generating past EOS.")
     stream: bool = False
     stream_options: dict | None = None
+    stream_interval: int | None = Field(None, ge=1, le=1024, description=STREAM_INTERVAL)
     logit_bias: dict[str, float] | None = Field(
         None,
         description=f"{{token id: bias in [-100, 100]}} (at most {MAX_LOGIT_BIAS}), added to the "
@@ -268,6 +275,7 @@ class NativeSampling(_Body):
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     seed: int | None = Field(None, ge=MIN_SEED, le=MAX_SEED, description=SEED)
+    stream_interval: int | None = Field(None, ge=1, le=1024, description=STREAM_INTERVAL)
 
     _temperature = field_validator("temperature")(_temperature_floor)
 

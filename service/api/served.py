@@ -149,12 +149,15 @@ class Served:
             log.info("client of %s left; its generation was cancelled", request.url.path)
             return None
 
-    def stream_of(self, prompt: list[int], sp, deadline):
+    def stream_of(self, prompt: list[int], sp, deadline, interval: int | None = None):
+        """The engine's outputs under the deadline, a chunk per `interval` tokens (a
+        request's own stream_interval: at least the server's)."""
         # the deadline bounds the wait for each engine output; a chunk holding several
         # outputs is sent before its error when one comes
         stream = deadline_stream(self.backend.stream(prompt, sp), deadline)
-        if self.stream_interval > 1:
-            stream = every_n_tokens(stream, self.stream_interval)
+        n = max(self.stream_interval, interval or 1)
+        if n > 1:
+            stream = every_n_tokens(stream, n)
         return stream
 
     async def sse_response(self, stream: AsyncIterator[str]) -> StreamingResponse:

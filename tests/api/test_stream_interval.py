@@ -3,8 +3,10 @@ per N tokens, the last at once; the text, tokens and log-probs are those of the 
 stream, and closing the stream cancels the generation."""
 
 import asyncio
+import json
 import math
 
+import httpx
 import openai
 import pytest
 
@@ -123,3 +125,39 @@ def test_the_server_streams_a_chunk_per_three_tokens(hf_engine):
     parts = [x.choices[0].text for x in c.completions.create(prompt=prompt, stream=True, **kw)]
     parts = [p for p in parts if p]
     assert "".join(parts) == whole and len(parts) <= 1 + math.ceil((n - 1) / 3), parts
+
+
+def test_a_request_raises_the_interval_never_lowers_it(engine_server, hf_engine):
+    """`stream_interval` in a request (vLLM's and SGLang's request-level field): on a server
+    at 1 it coalesces that request's stream; on a server at 3 a request asking 1 still gets 3;
+    SGLang's /generate takes it in sampling_params; bad values get a 400 naming it."""
+    n = 16
+    c = openai.OpenAI(base_url=engine_server.url + "/v1", api_key="unused", max_retries=0)
+    kw = dict(model="tiny-random:7", max_tokens=n, temperature=0)
+    messages = [{"role": "user", "content": "Count to twenty"}]
+    whole = c.chat.completions.create(messages=messages, **kw).choices[0].message.content
+
+    def texts(client, **more):
+        chunks = client.chat.completions.create(messages=messages, stream=True, **kw, **more)
+        return [ch.choices[0].delta.content for ch in chunks if ch.choices[0].delta.content]
+
+    plain, four = texts(c), texts(c, extra_body={"stream_interval": 4})
+    assert "".join(plain) == "".join(four) == whole
+    assert len(four) <= 1 + math.ceil((n - 1) / 4) < len(plain), (four, plain)
+    eng, directory = hf_engine
+    h = openai.OpenAI(base_url=eng.url + "/v1", api_key=HF_KEY, max_retries=0)
+    kw["model"] = str(directory)
+    assert len(texts(h, extra_body={"stream_interval": 1})) <= 1 + math.ceil((n - 1) / 3)
+    kw["model"] = "tiny-random:7"
+    body = {"text": "Once upon a time", "stream": True}
+    body["sampling_params"] = {"max_new_tokens": n, "temperature": 0, "stream_interval": 4}
+    with httpx.stream("POST", engine_server.url + "/generate", json=body, timeout=60) as r:
+        events = [ln for ln in r.iter_lines() if ln.startswith("data: {")]
+    assert json.loads(events[-1][6:])["meta_info"]["completion_tokens"] == n
+    assert len(events) <= 1 + math.ceil((n - 1) / 4), events
+    for bad in (0, 2000, "x"):
+        with pytest.raises(openai.BadRequestError) as e:
+            c.chat.completions.create(
+                messages=messages, stream=True, **kw, extra_body={"stream_interval": bad}
+            )
+        assert e.value.body["param"] == "stream_interval", e.value.body
