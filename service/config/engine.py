@@ -319,6 +319,7 @@ class EngineConfig(_Frozen):
         2.0,
         ge=0,
         le=1000,
+        allow_inf_nan=False,
         description="While requests decode, a round's prompt chunk is sized to take about this many of their decode steps, measured on this engine's own rounds (ddserve.engine.prefill_pacing), within --chunked-prefill-size: a round that admits a long prompt then takes about 1 + this many steps, whatever the model, GPU or context length. 0 = the token cap alone.",
         json_schema_extra={"flag": "--chunked-prefill-steps"},
     )
