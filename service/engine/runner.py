@@ -34,13 +34,14 @@ import torch
 
 from ddserve.config.engine import EngineConfig, LiveParams
 from ddserve.engine.adaptive import SpecPolicy, candidates
-from ddserve.engine.drafters import Drafter, ModelDrafter, NGramDrafter, NoDrafter
+from ddserve.engine.build import build_engine
+from ddserve.engine.drafters import NoDrafter
 from ddserve.engine.prefill_pacing import PrefillPacer
 from ddserve.engine.sampling import Logprobs, RequestStats, SamplingParams
 from ddserve.engine.sequence import Sequence
 from ddserve.engine.static_engine import StaticEngine
-from ddserve.engine.weights import LoadedModel, load_model
-from ddserve.errors import ConfigError, EngineError, EngineUnavailable, InvalidRequest
+from ddserve.engine.weights import LoadedModel
+from ddserve.errors import EngineError, EngineUnavailable, InvalidRequest
 
 log = logging.getLogger(__name__)
 
@@ -88,52 +89,6 @@ class _AsyncRequest(EngineRequest):
             self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
         except RuntimeError:  # the client's event loop is gone; nobody is waiting
             self.cancelled = True
-
-
-def resolve_device(config: EngineConfig) -> tuple[str, torch.dtype]:
-    device = config.device
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cuda" and not torch.cuda.is_available():
-        raise EngineUnavailable("device=cuda but no CUDA device is visible")
-    dtype = config.dtype
-    if dtype == "auto":
-        dtype = "bfloat16" if device == "cuda" else "float32"
-    return device, getattr(torch, dtype)
-
-
-def build_drafter(
-    config: EngineConfig, target: LoadedModel, device: str, dtype: torch.dtype
-) -> Drafter:
-    d = config.drafter
-    if d.kind == "none":
-        return NoDrafter()
-    if d.kind == "ngram":
-        return NGramDrafter(target.model.cfg.vocab_size, d.ngram_max, d.ngram_min)
-    if d.kind == "dflash":
-        from ddserve.engine.dflash import BUILTIN, DFlashDrafter, load_dflash, load_draft_vocab
-
-        path = d.dflash_path or BUILTIN.get(config.model)
-        if path is None:
-            raise ConfigError(
-                f"drafter.kind=dflash: no builtin DFlash drafter for model {config.model!r}; set drafter.dflash_path (train one with python -m ddserve.training.dflash)",
-                param="drafter.dflash_path",
-            )
-        return DFlashDrafter(load_dflash(path), target.model, load_draft_vocab(path))
-    if d.kind == "layer-skip":
-        if d.layers >= target.model.cfg.num_layers:
-            raise ConfigError(
-                f"drafter.layers={d.layers}: must be below the target's {target.model.cfg.num_layers} layers",
-                param="drafter.layers",
-            )
-        return ModelDrafter(target.model, d.layers, name="layer-skip")
-    draft = load_model(d.draft_model, device, dtype, with_tokenizer=False).model
-    if draft.cfg.vocab_size != target.model.cfg.vocab_size:
-        raise ConfigError(
-            f"drafter.draft_model={d.draft_model!r} has vocab {draft.cfg.vocab_size}, the target {target.model.cfg.vocab_size}: they must share a tokenizer",
-            param="drafter.draft_model",
-        )
-    return ModelDrafter(draft)
 
 
 async def health_generation(outputs: AsyncIterator, timeout: float, t0: float) -> float:
@@ -218,27 +173,9 @@ class EngineRunner:
         )
 
     def _load(self) -> None:
-        device, dtype = resolve_device(self.config)
-        loaded = self._loaded or load_model(self.config.model, device, dtype)
-        model = loaded.model.to(device=device, dtype=dtype)
-        self.tokenizer = loaded.tokenizer
-        drafter = build_drafter(self.config, loaded, device, dtype)
-        self.max_context = self.config.max_context or model.cfg.max_position
-        depth, eos = self.config.drafter.depth, model.cfg.eos_token_ids
-        cuda = device == "cuda"
-        self.engine = StaticEngine(
-            model,
-            drafter,
-            depth,
-            eos,
-            slots=self.config.max_batch,
-            max_context=self.max_context,
-            graphs=self.config.graphs != "off" and cuda,
-            compile=self.config.compile == "on" or (self.config.compile == "auto" and cuda),
-            attention=self.config.attention_backend,
-            fused_layers=self.config.fused_layers,
-            memory_fraction=self.config.gpu_memory_utilization,
-        )
+        self.engine, self.tokenizer, self.max_context = build_engine(self.config, self._loaded)
+        drafter = self.engine.drafter
+        model = self.engine.model
         params = self.config.params
         if self.config.speculative_adaptive and not isinstance(drafter, NoDrafter):
             self.policy = SpecPolicy()
