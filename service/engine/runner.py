@@ -45,6 +45,8 @@ from ddserve.errors import EngineError, EngineUnavailable, InvalidRequest
 
 log = logging.getLogger(__name__)
 
+WARM_PROMPT_TOKENS = 24  # the start-up generation's prompt (a short chat's prefill chunk)
+
 
 @dataclass
 class StepOutput:
@@ -184,9 +186,12 @@ class EngineRunner:
         if spent:
             log.info("warm-up: %d CUDA graphs captured in %.1fs", self.engine.graph_count, spent)
         self._fingerprint = self.config.fingerprint()
-        self.engine.generate(
-            [model.cfg.bos_token_id or 0], SamplingParams(max_tokens=2), self.config.params
-        )
+        # a real generation before ready, through prefill and a few rounds: on a CPU the first
+        # use of each kernel shape costs ~0.5 s (no graphs there to capture), paid here rather
+        # than by the first request
+        n = max(1, min(WARM_PROMPT_TOKENS, self.max_context - 5))
+        warm = [model.cfg.bos_token_id or 0] * n
+        self.engine.generate(warm, SamplingParams(max_tokens=2), self.config.params)
 
     def shutdown(self) -> None:
         with self._cv:
