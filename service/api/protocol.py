@@ -24,9 +24,17 @@ MAX_PROMPTS = 64
 
 
 STREAM_INTERVAL = (
-    "Extension (vLLM's and SGLang's request-level stream_interval): tokens per streamed chunk "
-    "after the first; raises the server's --stream-interval for this request, never lowers it."
+    "Extension (vLLM's and SGLang's request-level stream_interval), streamed responses only: "
+    "tokens per chunk after the first; raises the server's --stream-interval for this "
+    "request, never lowers it."
 )
+
+
+def _an_integer(v):
+    """A count given as true/false is a client's mistake, not 1/0 (pydantic would take it)."""
+    if isinstance(v, bool):
+        raise ValueError("an integer here, not true/false")
+    return v
 
 
 class _Body(BaseModel):
@@ -118,6 +126,7 @@ class Sampling(_Body):
     suffix: str | None = Field(None, description="Refused unless empty.")
 
     _temperature = field_validator("temperature")(_temperature_floor)
+    _stream_interval = field_validator("stream_interval", mode="before")(_an_integer)
     _refused = field_validator(*REFUSED)(_refuse_unsupported)
     _logit_bias = field_validator("logit_bias")(_check_logit_bias)
 
@@ -278,6 +287,7 @@ class NativeSampling(_Body):
     stream_interval: int | None = Field(None, ge=1, le=1024, description=STREAM_INTERVAL)
 
     _temperature = field_validator("temperature")(_temperature_floor)
+    _stream_interval = field_validator("stream_interval", mode="before")(_an_integer)
 
     @model_validator(mode="after")
     def _refused(self) -> NativeSampling:

@@ -58,7 +58,9 @@ def build_drafter(
     return ModelDrafter(draft)
 
 
-def build_engine(config: EngineConfig, loaded: LoadedModel | None = None):
+def build_engine(
+    config: EngineConfig, loaded: LoadedModel | None = None
+) -> tuple[StaticEngine, object, int]:
     """(the StaticEngine, the tokenizer, the context limit) for `config`; `loaded`: the
     target's weights already in memory (else loaded from `config.model`)."""
     device, dtype = resolve_device(config)

@@ -191,7 +191,15 @@ class EngineRunner:
         # than by the first request
         n = max(1, min(WARM_PROMPT_TOKENS, self.max_context - 5))
         warm = [model.cfg.bos_token_id or 0] * n
-        self.engine.generate(warm, SamplingParams(max_tokens=2), self.config.params)
+        # with the live sampling defaults: a sampled default is proven (and warmed) too
+        sampling = SamplingParams(
+            temperature=params.temperature,
+            top_p=params.top_p,
+            top_k=params.top_k,
+            max_tokens=2,
+            seed=0,
+        )
+        self.engine.generate(warm, sampling, params)
 
     def shutdown(self) -> None:
         with self._cv:

@@ -155,7 +155,7 @@ def test_a_request_raises_the_interval_never_lowers_it(engine_server, hf_engine)
         events = [ln for ln in r.iter_lines() if ln.startswith("data: {")]
     assert json.loads(events[-1][6:])["meta_info"]["completion_tokens"] == n
     assert len(events) <= 1 + math.ceil((n - 1) / 4), events
-    for bad in (0, 2000, "x"):
+    for bad in (0, 2000, "x", 2.5, True):
         with pytest.raises(openai.BadRequestError) as e:
             c.chat.completions.create(
                 messages=messages, stream=True, **kw, extra_body={"stream_interval": bad}
