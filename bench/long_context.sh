@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Long prompts through `ddserve engine` (issue 18), side by side in one run: the same engine
 # (SmolLM2-135M, AR: drafter none) served twice,
-#   before  --attention-backend sdpa   --chunked-prefill-size -1   (the padded-range reference,
+#   before  --attention-backend sdpa   --chunked-prefill-size -1 --chunked-prefill-steps 0 (the padded-range reference,
 #           prompts prefilled whole: the engine before this change)
 #   after   --attention-backend triton --chunked-prefill-size 2048 (the defaults on a GPU)
 # each measured with `ddserve bench` at C=1 and C=16 for synthetic prompts of ~30, ~1,000,
@@ -32,7 +32,7 @@ source "$(dirname "$0")/common.sh"  # wait_url
 for part in $parts; do
     SECONDS=0
     case $part in
-    before) flags="--attention-backend sdpa --chunked-prefill-size -1" ;;
+    before) flags="--attention-backend sdpa --chunked-prefill-size -1 --chunked-prefill-steps 0" ;;
     after) flags="--attention-backend triton --chunked-prefill-size 2048" ;;
     capped) flags="--chunked-prefill-size 2048 --chunked-prefill-steps 0" ;;
     paced) flags="--chunked-prefill-size 2048 --chunked-prefill-steps 2" ;;
