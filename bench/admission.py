@@ -9,8 +9,11 @@ overall ITL p99): p50, p99 and the longest gap, and the long prompt's TTFT.
     python -m ddserve.bench.admission --url http://127.0.0.1:30000 [--streams 15]
         [--stream-tokens 1024] [--long-tokens 7200] [--delay 0.5] [--out FILE.json]
 
-The engine's chunked prefill (--chunked-prefill-size) is what bounds the gaps; run it against
-servers with different settings side by side (bench/long_context.sh does).
+The engine's chunked prefill (--chunked-prefill-steps paces it, within --chunked-prefill-size)
+is what bounds the gaps; run it against servers with different settings side by side
+(bench/long_context.sh does). Let the streams reach steady state first (--delay): a fresh
+CPU server's first rounds are slow, and a gap that began before the long prompt was sent
+counts if it ended after (`longest_gap_ended_ms_after_send` says where the longest ended).
 """
 
 from __future__ import annotations
