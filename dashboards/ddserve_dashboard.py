@@ -168,6 +168,12 @@ PANELS: list[Panel] = [
     ),
     Panel(
         LOAD,
+        "Prompt tokens a round may prefill while others decode (paced; 0 = no limit)",
+        "short",
+        [("{{replica}}", f"max by (replica) (ddserve:prefill_chunk_tokens{{{SEL}}})")],
+    ),
+    Panel(
+        LOAD,
         "Queued in Ray Serve's router (before a replica is chosen)",
         "short",
         [

@@ -57,6 +57,7 @@ LOAD_GAUGES = (
     "kv_slots_used",
     "kv_slots_total",
     "spec_budget",
+    "prefill_chunk_tokens",
 )
 
 
@@ -85,6 +86,7 @@ METRICS = {
         Metric("kv_slots_used", "gauge", "KV cache slots held by requests (one per running request)."),
         Metric("kv_slots_total", "gauge", "KV cache slots of the engine's pool (static engine only)."),
         Metric("spec_budget", "gauge", "Draft budget (tree nodes) of the engine's last round: the live budget, or below it under --speculative-adaptive or spec_max_batch (builtin engine)."),
+        Metric("prefill_chunk_tokens", "gauge", "Prompt tokens the engine's next round may prefill while other requests decode (chunked prefill paced to --chunked-prefill-steps decode steps, within --chunked-prefill-size); 0 = no limit (builtin engine)."),
         Metric("verify_rounds", "counter", "Target verify forwards (decoding rounds); tokens / rounds = tau."),
         Metric("accept_length", "histogram", "Tokens committed per verify round (acceptance length, tau).", buckets=ACCEPT_BUCKETS),
         Metric("spec_decode_num_drafts", "counter", "Verify rounds that verified a draft tree."),

@@ -232,6 +232,7 @@ class EngineRunner:
             "kv_slots_used": total - free,
             "kv_slots_total": total,
             "spec_budget": self.last_budget,
+            "prefill_chunk_tokens": self.pacer.budget(decoding=True) or 0,
         }
 
     # -- live parameters --------------------------------------------------------------

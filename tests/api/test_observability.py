@@ -133,6 +133,7 @@ def test_metrics_stats_line_and_access_log_in_process(runner, caplog):
     text = r.text
     assert f'ddserve:generation_tokens_total{{model_name="{MODEL}"}} 12.0' in text
     assert f'ddserve:kv_slots_total{{model_name="{MODEL}"}} 4.0' in text
+    assert "ddserve:prefill_chunk_tokens{" in text
     assert f'ddserve:num_requests_running{{model_name="{MODEL}"}} 0.0' in text
     assert "ddserve:spec_decode_num_draft_tokens_total" in text
     access = [rec.getMessage() for rec in caplog.records if rec.name == "ddserve.access"]

@@ -12,6 +12,7 @@ import torch
 from ddserve.config.engine import EngineConfig, LiveParams
 from ddserve.engine.dflash import DFlashDrafter
 from ddserve.engine.drafters import NGramDrafter, NoDrafter
+from ddserve.engine.prefill_pacing import MIN_TOKENS
 from ddserve.engine.runner import EngineRunner
 from ddserve.engine.sampling import SamplingParams
 from ddserve.engine.static_engine import StaticEngine
@@ -429,6 +430,7 @@ def test_long_prompt_is_admitted_between_running_rounds(chunk, steps):
             assert during >= 10, during
         elif steps:  # the first chunk (FIRST_TOKENS) goes in unmeasured, then paced ones
             assert during >= 6 and runner.pacer.token_s is not None, during
+            assert runner.load_gauges()["prefill_chunk_tokens"] >= MIN_TOKENS
         else:
             assert during <= 3, during
         assert short == asyncio.run(asyncio.wait_for(_collect(runner, [1, 5, 9], 80), 60))
