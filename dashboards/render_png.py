@@ -13,7 +13,15 @@ import httpx
 
 from ddserve.dashboards.ddserve_dashboard import PANELS
 
-MAIN = [0, 5, 6, 9]  # acceptance length, tok/s, TTFT, requests by status
+# the panels drawn, by title (indices moved as panels were added: 5 and 9 had become the
+# acceptance histogram and the end-to-end latency)
+MAIN_TITLES = (
+    "Acceptance length (tau)",
+    "Output tokens/s",
+    "Time to first token",
+    "Requests/s by status",
+)
+MAIN = [next(i for i, p in enumerate(PANELS) if p.title.startswith(t)) for t in MAIN_TITLES]
 
 
 def grafana_to_promql(expr: str, rate_window: str = "15s", range_window: str = "10m") -> str:
