@@ -19,3 +19,16 @@ for _ in range(1200):
 sys.exit(1)
 PY
 }
+
+ray_up() {  # LEG CFG LOG: `ddserve up --config CFG` (its output to LOG); on failure one line
+    # naming LEG and the log's tail, and a non-zero status
+    if $py -m ddserve up --config "$2" >"$3" 2>&1; then
+        return 0
+    fi
+    echo "$1: up failed"; tail -5 "$3"
+    return 1
+}
+
+ray_down() {  # CFG LOG: the application deleted and the Ray head `up` started stopped
+    $py -m ddserve down --config "$1" --stop-ray >>"$2" 2>&1
+}

@@ -39,7 +39,7 @@ bench_levels() {  # URL OUTDIR: one `ddserve bench` per level, max(REQ, 2C) requ
     done
 }
 
-source "$(dirname "$0")/common.sh"  # wait_url
+source "$(dirname "$0")/common.sh"  # wait_url, ray_up, ray_down
 
 for part in $parts; do
     SECONDS=0
@@ -93,15 +93,13 @@ cpus_per_replica: 1
 http: {host: 127.0.0.1, port: 8000, ingress: $ingress}
 health: {period_s: 10, timeout_s: 120, recent_traffic_s: 10, engine_start_timeout_s: 900}
 EOF
-        if $py -m ddserve up --config "$cfg" >"$out/$part-up.log" 2>&1; then
+        if ray_up "$part" "$cfg" "$out/$part-up.log"; then
             echo "$part: ready after ${SECONDS}s"
             bench_levels http://127.0.0.1:8000 "$out/$part-b16k4"
             $py -m ddserve reconfig set budget=0 --config "$cfg" >>"$out/$part-up.log" 2>&1
             bench_levels http://127.0.0.1:8000 "$out/$part-b0"
-        else
-            echo "$part: up failed"; tail -5 "$out/$part-up.log"
         fi
-        $py -m ddserve down --config "$cfg" --stop-ray >>"$out/$part-up.log" 2>&1
+        ray_down "$cfg" "$out/$part-up.log"
         ;;
     esac
     echo "$part done in ${SECONDS}s"

@@ -23,7 +23,7 @@ model=${MODEL:-tiny-random:7}
 drafter=${DRAFTER:-none}
 maxb=${MAXB:-64}
 mkdir -p "$out"
-source "$(dirname "$0")/common.sh"  # wait_url
+source "$(dirname "$0")/common.sh"  # wait_url, ray_up, ray_down
 
 busy() { awk '/^cpu /{print $2+$3+$4+$7+$8}' /proc/stat; }  # user nice system irq softirq
 
@@ -67,12 +67,10 @@ cpus_per_replica: 1
 http: {host: 127.0.0.1, port: 8000, ingress: proxy}
 health: {period_s: 10, timeout_s: 120, recent_traffic_s: 10, engine_start_timeout_s: 900}
 YAML
-            if $py -m ddserve up --config "$cfg" >"$out/ray-i$n-up.log" 2>&1; then
+            if ray_up "ray-i$n" "$cfg" "$out/ray-i$n-up.log"; then
                 measure http://127.0.0.1:8000 "ray-i$n"
-            else
-                echo "ray-i$n: up failed"; tail -5 "$out/ray-i$n-up.log"
             fi
-            $py -m ddserve down --config "$cfg" --stop-ray >>"$out/ray-i$n-up.log" 2>&1
+            ray_down "$cfg" "$out/ray-i$n-up.log"
             ;;
         esac
         echo "$part-i$n done in ${SECONDS}s"
