@@ -95,9 +95,11 @@ health: {period_s: 10, timeout_s: 120, recent_traffic_s: 10, engine_start_timeou
 EOF
         if ray_up "$part" "$cfg" "$out/$part-up.log"; then
             echo "$part: ready after ${SECONDS}s"
-            bench_levels http://127.0.0.1:8000 "$out/$part-b16k4"
-            $py -m ddserve reconfig set budget=0 --config "$cfg" >>"$out/$part-up.log" 2>&1
-            bench_levels http://127.0.0.1:8000 "$out/$part-b0"
+            for b in $budgets; do  # each leg sets its budget through the reconfig controller
+                $py -m ddserve reconfig set "budget=$b" --config "$cfg" >>"$out/$part-up.log" 2>&1
+                name=$([ "$b" = 0 ] && echo b0 || echo "b${b}k4")
+                bench_levels http://127.0.0.1:8000 "$out/$part-$name"
+            done
         fi
         ray_down "$cfg" "$out/$part-up.log"
         ;;

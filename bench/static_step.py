@@ -207,7 +207,8 @@ def main() -> None:
 
 def time_prefill(model, mode: str, attn: str, lengths: list[int], longest: int) -> list[dict]:
     """Wall time of StaticEngine.prefill of one prompt per length (after one untimed prefill of
-    the same length: graphs captured, compiled), median of 5."""
+    the same length: graphs captured, compiled), median of 5; then one more under the profiler:
+    its kernels and the 12 that took the most GPU time."""
     eng = StaticEngine(
         model,
         NoDrafter(),
@@ -234,8 +235,18 @@ def time_prefill(model, mode: str, attn: str, lengths: list[int], longest: int) 
                 times.append(time.perf_counter() - t0)
             eng.release(seq)
         ms = float(np.median(times)) * 1e3
+        seq = eng.new_sequence(prompt, SamplingParams(max_tokens=1))
+        kernels = kernels_per_call(lambda s=seq, e=eng: e.prefill(s))  # where the GPU time goes
+        eng.release(seq)
         rows.append(
-            {"mode": mode, "attention": attn, "prompt_tokens": n, "prefill_ms": round(ms, 3)}
+            {
+                "mode": mode,
+                "attention": attn,
+                "prompt_tokens": n,
+                "prefill_ms": round(ms, 3),
+                "kernels": kernels,
+                "top_kernels_name_count_ms": kernels_per_call.top,
+            }
         )
         print(f"{mode:8s} {attn:6s} prefill {n:5d} tokens: {ms:.2f} ms", flush=True)
     del eng

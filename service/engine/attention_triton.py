@@ -188,13 +188,13 @@ def launch(
     q, kc, vc, rows, past, tree, window, w: int, mode: int, ctx: int = 0, splits=None, **tune
 ):
     """q [B*W, nh, hd] -> out [B*W, nh, hd]. See the module docstring. `ctx`: no row has more
-    keys (0: the pool's length). `tune` (benchmarks): block_n, num_warps, num_stages, fill
-    (programs per multiprocessor to aim at)."""
+    keys (0: the pool's length). `tune` (benchmarks): block_m, block_n, num_warps, num_stages,
+    fill (programs per multiprocessor to aim at)."""
     n, nh, hd = q.shape
     kvh = kc.shape[1]
     g, b = nh // kvh, n // w
     rows_g = g * w
-    block_m = 16 if rows_g <= 16 else (32 if rows_g <= 32 else 64)
+    block_m = tune.get("block_m") or (16 if rows_g <= 16 else (32 if rows_g <= 32 else 64))
     block_n = tune.get("block_n", 64)
     block_d = triton.next_power_of_2(hd)
     mblocks = triton.cdiv(rows_g, block_m)
