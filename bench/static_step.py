@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from ddserve.bench.gpu_compare import copy_bandwidth
+from ddserve.config.engine import LiveParams
 from ddserve.engine.drafters import NoDrafter
 from ddserve.engine.llama import LlamaConfig
 from ddserve.engine.sampling import SamplingParams
@@ -206,9 +207,10 @@ def main() -> None:
 
 
 def time_prefill(model, mode: str, attn: str, lengths: list[int], longest: int) -> list[dict]:
-    """Wall time of StaticEngine.prefill of one prompt per length (after one untimed prefill of
-    the same length: graphs captured, compiled), median of 5; then one more under the profiler:
-    its kernels and the 12 that took the most GPU time."""
+    """Wall time of StaticEngine.prefill of one prompt per length, on an engine warmed up as a
+    served one is (then chunks of shapes not captured run without graphs), after one untimed
+    prefill of the same length, median of 5; then one more under the profiler: its kernels
+    and the 12 that took the most GPU time."""
     eng = StaticEngine(
         model,
         NoDrafter(),
@@ -220,6 +222,7 @@ def time_prefill(model, mode: str, attn: str, lengths: list[int], longest: int) 
         compile=mode == "compile",
         attention=attn,
     )
+    eng.warm_up(LiveParams(budget=0))  # as served: chunks of shapes not captured run eagerly
     rows = []
     rng = np.random.default_rng(0)
     for n in lengths:

@@ -21,6 +21,13 @@ Two implementations of that one rule:
               with a second small kernel merging the splits. Registered as the torch op `ddserve::tree_attention` so
               torch.compile treats it as one opaque call.
 
+A prompt chunk that runs outside a CUDA graph (every chunk without graphs; on CUDA a shape not
+captured at warm-up) takes a third way, `ragged` (`plan_ragged`): the rows' slots and committed
+lengths are known on the host, so each row attends exactly its own keys through torch's
+fused kernels (flash / cuDNN on CUDA: 1.6-3x the triton kernel's speed on prompt chunks, bench/
+NOTES.md), causal from its last key (`causal_lower_right`). Registered as the torch op
+`ddserve::prefill_attention` (its host lengths stay out of torch.compile's guards).
+
 `backend("auto")` is triton on CUDA when triton imports, else sdpa. The triton kernel also runs
 on CPU in triton's interpreter (TRITON_INTERPRET=1 when it is imported), which is how CI
 checks it against the reference; auto never picks it there.
@@ -28,6 +35,7 @@ checks it against the reference; auto never picks it there.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import NamedTuple
 
@@ -44,7 +52,7 @@ class Attn(NamedTuple):
     sdpa: `mask` [B, 1, G*W, ctx] additive, keys [0, ctx). triton: `ctx` the context class
     (no row has more keys; it bounds the key splits), `past` [B] committed
     lengths, `tree` [B, W, W] (int, nonzero = visible; TREE mode only), `window` [B] or None,
-    `mode` TREE / CAUSAL / FULL."""
+    `mode` TREE / CAUSAL / FULL. ragged (CAUSAL): `past` and `slots` [B] on the host."""
 
     backend: str
     mask: torch.Tensor | None = None
@@ -53,6 +61,7 @@ class Attn(NamedTuple):
     tree: torch.Tensor | None = None
     window: torch.Tensor | None = None
     mode: int = TREE
+    slots: torch.Tensor | None = None
 
 
 # -- the reference ------------------------------------------------------------------------
@@ -105,11 +114,80 @@ def plan(
     )
 
 
+def plan_ragged(past: torch.Tensor, slots: torch.Tensor) -> Attn:
+    """A prompt chunk's attention with its rows' committed lengths and slots on the host
+    (CPU int64 [B]): each row attends keys [0, past + t] of its slot, nothing padded."""
+    return Attn("ragged", past=past, slots=slots, mode=CAUSAL)
+
+
+@torch.library.custom_op("ddserve::prefill_attention", mutates_args=())
+def prefill_attention(
+    q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, slots: torch.Tensor, past: torch.Tensor
+) -> torch.Tensor:
+    """q [B*W, nh, hd] (row r's W new tokens at positions past[r]..); kc/vc [S, kvh, L, hd]
+    with the chunk's keys written; slots/past [B] on the host. Returns [B*W, nh, hd]."""
+    n, nh, hd = q.shape
+    b, length = slots.shape[0], kc.shape[2]
+    w = n // b
+    out = torch.zeros_like(q, memory_format=torch.contiguous_format)
+    for r, (slot, p) in enumerate(zip(slots.tolist(), past.tolist(), strict=True)):
+        # a row shorter than the chunk is padded; padding past the pool's end has no keys (its
+        # writes were clamped to the guard entry): only the rows with keys are attended (the
+        # prompt's own tokens always are), the rest stay zero and are never read
+        m = min(w, length - p)
+        qr = q[r * w : r * w + m].transpose(0, 1).unsqueeze(0)  # [1, nh, m, hd]
+        keys, values = kc[slot : slot + 1, :, : p + m], vc[slot : slot + 1, :, : p + m]
+        with _fused_kernels(q.device, first_chunk=p == 0):
+            if p == 0:
+                att = F.scaled_dot_product_attention(
+                    qr, keys, values, is_causal=True, enable_gqa=True
+                )
+            else:
+                att = F.scaled_dot_product_attention(
+                    qr, keys, values, attn_mask=_causal_from_end(m, p, q.device), enable_gqa=True
+                )
+        out[r * w : r * w + m] = att[0].transpose(0, 1)
+    return out
+
+
+@prefill_attention.register_fake
+def _(q, kc, vc, slots, past):
+    return torch.empty_like(q, memory_format=torch.contiguous_format)
+
+
+def _causal_from_end(m: int, past: int, device: torch.device):
+    """Token t of m new ones sees keys [0, past + t]. On CUDA torch's lower-right causal
+    bias (its fused kernels take it); elsewhere the boolean mask (imported lazily: torch's
+    attention-bias module imports triton, which CI's interpreted kernels must import first)."""
+    if device.type == "cuda":
+        from torch.nn.attention.bias import causal_lower_right
+
+        return causal_lower_right(m, past + m)
+    return torch.ones(m, past + m, dtype=torch.bool, device=device).tril(past)
+
+
+def _fused_kernels(device: torch.device, first_chunk: bool):
+    """On CUDA, torch's fused kernels first, in the order measured fastest on the H200
+    (bench.prefill_attention): cuDNN for a whole prompt from its start, flash for a chunk
+    after committed keys; math (fp32, or where neither takes the inputs) last. Elsewhere
+    torch's own choice."""
+    if device.type != "cuda":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    fused = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION]
+    order = (fused if first_chunk else fused[::-1]) + [SDPBackend.MATH]
+    return sdpa_kernel(order, set_priority=True)
+
+
 def attend(q, kc, vc, rows, b: int, w: int, attn: Attn, rows_are_slots: bool) -> torch.Tensor:
     """q [B*W, nh, hd] (RoPE applied); kc/vc one layer's pool [S, kvh, L, hd] with this
     forward's keys already written; rows [B] slots. Returns [B*W, nh*hd]."""
     n, nh, hd = q.shape
     kvh = kc.shape[1]
+    if attn.backend == "ragged":
+        out = torch.ops.ddserve.prefill_attention(q, kc, vc, attn.slots, attn.past)
+        return out.view(n, nh * hd)
     if attn.backend == "triton":
         out = torch.ops.ddserve.tree_attention(
             q, kc, vc, rows, attn.past, attn.tree, attn.window, w, attn.mode, attn.ctx

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from ddserve.config.engine import MAX_BUDGET
-from ddserve.engine.attention import CAUSAL, FULL, TREE, plan
+from ddserve.engine.attention import CAUSAL, FULL, TREE, plan, plan_ragged
 from ddserve.engine.dflash import DFlashDrafter
 from ddserve.engine.llama import Llama, apply_rope, linear
 from ddserve.engine.static import (
@@ -79,6 +79,10 @@ class StaticTarget:
         )
         self.capture = capture
         self.graphs = GraphCache(graphs, "target")
+        # prompt chunks of shapes not captured yet: captured on first use (True), or run
+        # without a graph (False, once the engine's warm-up captured what it captures: a
+        # capture while others decode stalled them ~0.2-0.4 s on the H200, bench/NOTES.md)
+        self.capture_prefill = True
         self.inputs: dict[tuple, torch.Tensor] = {}
         self.staging = Staging()
 
@@ -97,6 +101,8 @@ class StaticTarget:
         (StaticDFlash): they replace the packed ones, device to device, with no sync (the
         packed inputs then stop before the tree mask: pack_target without one)."""
         key = (rows_are_slots, b, w, ctx)
+        if not rows_are_slots and self.prefill_eager(key):
+            return self._prefill_eager(packed, key)
         inp = self.inputs.get(key)
         if inp is None:
             n = b * w
@@ -111,7 +117,21 @@ class StaticTarget:
             inp[3 * n + 2 * b :].copy_(mask.view(-1))
         return self.graphs.run(key, lambda: self._forward(inp, key))
 
-    def _forward(self, inp: torch.Tensor, key: tuple):
+    def prefill_eager(self, key: tuple) -> bool:
+        """Whether a prompt chunk of this shape runs without a CUDA graph (then of any width
+        and row count: nothing padded, `plan_ragged` attention)."""
+        return not self.graphs.enabled or (
+            not self.capture_prefill and key not in self.graphs.graphs
+        )
+
+    def _prefill_eager(self, packed: np.ndarray, key: tuple):
+        _, b, w, _ = key
+        n = b * w
+        host = torch.from_numpy(packed[3 * n : 3 * n + 2 * b].astype(np.int64))
+        inp = torch.from_numpy(packed).to(self.model.device, non_blocking=False)
+        return self._forward(inp, key, ragged=plan_ragged(host[:b], host[b:]))
+
+    def _forward(self, inp: torch.Tensor, key: tuple, ragged=None):
         rows_are_slots, b, w, ctx = key
         m, n = self.model, b * w
         tok, pos, wpos = (inp[i * n : (i + 1) * n] for i in range(3))
@@ -125,7 +145,7 @@ class StaticTarget:
         groups = m.cfg.num_heads // m.cfg.num_kv_heads
         # rows named by slot index are prompt chunks (prefill: causal); rows = slots verify trees
         mode = TREE if rows_are_slots else CAUSAL
-        attn = plan(self.attention, lens, mode, tree, w, ctx, groups, x.dtype)
+        attn = ragged or plan(self.attention, lens, mode, tree, w, ctx, groups, x.dtype)
         taps = []
         for i, block in enumerate(m.layers):
             x = self.layer(

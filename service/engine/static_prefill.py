@@ -1,10 +1,12 @@
 """What the static engine does before decoding (ddserve.engine.static_engine): prompts into
 their KV slots, and the CUDA graphs captured at start-up.
 
-  * prefill in chunks of fixed widths through the verify's forward (up to PREFILL_ROWS
-    prompts per forward, causal, no logits), at most `max_tokens` prompt tokens per call when
-    the caller asks (chunked prefill: the runner interleaves a long prompt's chunks with the
-    running requests' rounds); a capturing drafter keeps the prompt's tapped outputs
+  * prefill in chunks through the verify's forward (up to PREFILL_ROWS prompts per forward,
+    causal, no logits), at most `max_tokens` prompt tokens per call when the caller asks
+    (chunked prefill: the runner interleaves a long prompt's chunks with the running requests'
+    rounds); a capturing drafter keeps the prompt's tapped outputs. A chunk whose shape has a
+    CUDA graph is padded to that shape (fixed widths, power-of-two rows); any other runs
+    without a graph, exactly as wide as its tokens (StaticTarget.prefill_eager)
   * warm-up: every graph the live parameters use, on inputs that touch only guard entries
 """
 
@@ -73,13 +75,20 @@ class Prefill:
                 max_tokens is not None and spent and max_tokens - spent < self.chunks[0]
             ):
                 break  # done, or what is left of the budget is below the narrowest chunk
-            cap = self.chunks[-1]
+            cap, share = self.chunks[-1], None
             if max_tokens is not None:  # the widest chunk within each row's share of what is left
                 share = (max_tokens - spent) // len(todo)
                 cap = max([c for c in self.chunks if c <= share] or [self.chunks[0]])
             n_max = max(min(len(heads[i]) - seqs[i].cache.length, cap) for i in todo)
             w = next(c for c in self.chunks if c >= n_max)
             b = next_bucket(len(todo), 1, PREFILL_ROWS)
+            longest = max(seqs[i].cache.length for i in todo) + w
+            if self.target.prefill_eager((False, b, w, self.target.ctx_bucket(longest))):
+                # no graph: the rows there are and up to their share exactly, nothing padded
+                if share is not None:
+                    cap = min(max(share, self.chunks[0]), self.chunks[-1])
+                w = max(min(len(heads[i]) - seqs[i].cache.length, cap) for i in todo)
+                w, b = max(w, 2), len(todo)  # (a width of 1 would be a shape of its own)
             toks = np.zeros((b, w), dtype=np.int64)
             pos = np.tile(np.arange(ml - w, ml), (b, 1))  # rows that only fill the shape
             lens, rows = np.zeros(b, dtype=np.int64), np.zeros(b, dtype=np.int64)
@@ -113,7 +122,8 @@ class Prefill:
         """Capture the graphs the current parameters use (every batch bucket, AR and tree
         widths, short contexts, the prefill chunks) with inputs that touch only guard
         entries; `budgets`: every budget rounds may use (adaptive speculation), by default
-        the live one. Longer contexts and other widths are captured on first use."""
+        the live one. Longer contexts and other widths of verify and draft forwards are
+        captured on first use; prompt chunks of other shapes then run without graphs."""
         if not self.target.graphs.enabled:
             return 0.0
         t0 = time.perf_counter()
@@ -142,6 +152,16 @@ class Prefill:
                         toks = np.zeros((b, w), np.int64)
                         packed = pack_target(toks, guard, guard, zeros, zeros)
                         self.target.forward(packed, b, w, ctx, False)
+        # from now on a prompt chunk of a shape not captured runs without a graph (a capture
+        # while others decode would stall them); one such chunk of one and of two rows now,
+        # so their compiled variants are ready (as the graphs' are)
+        self.target.capture_prefill = False
+        w = self.chunks[0] + 1
+        for b in (1, 2):
+            guard = np.tile(np.arange(ml - w, ml), (b, 1))
+            zeros = np.zeros(b, np.int64)
+            packed = pack_target(np.zeros((b, w), np.int64), guard, guard, zeros, zeros)
+            self.target.forward(packed, b, w, self.target.ctx_bucket(w), False)
         if self.sdraft is not None:  # context-only rounds (budget 0)
             wn = self.sdraft.new_rows
             for b in bucket_sizes(self.pool.slots):

@@ -75,6 +75,26 @@ def test_kernel_equals_reference(mode, b, w, splits, window, dtype):
         assert (op.float() - ref).abs().max().item() < tol
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_ragged_prefill_equals_reference(dtype):
+    """A prompt chunk outside a graph (`plan_ragged`: host lengths, torch's fused kernels):
+    rows with and without committed keys, and a row so near the pool's end that its padding
+    has no keys, equal the padded-range reference on every row that has keys (the padding rows
+    of the last are zero: never read)."""
+    b, w, length = 3, 24, 300
+    q, kc, vc, rows, past, _, _ = case(b, w, A.CAUSAL, length=length, dtype=dtype, seed=11)
+    past[2] = length - 10  # 10 of its 24 rows have keys
+    g = q.shape[1] // kc.shape[1]
+    ref_plan = A.plan("sdpa", past, A.CAUSAL, None, w, length, g, dtype)
+    ref = A.attend(q, kc, vc, rows, b, w, ref_plan, False).float().view(b, w, -1)
+    ragged = A.plan_ragged(past.cpu(), rows.cpu())
+    out = A.attend(q, kc, vc, rows, b, w, ragged, False).float().view(b, w, -1)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert (out[:2] - ref[:2]).abs().max().item() < tol
+    assert (out[2, :10] - ref[2, :10]).abs().max().item() < tol
+    assert out[2, 10:].abs().max().item() == 0
+
+
 @pytest.mark.parametrize("drafter", ["none", "dflash"])
 def test_engine_on_the_kernel_decodes_like_the_reference(drafter):
     """Static engines on triton and on sdpa, same model (fp32): the same greedy tokens and

@@ -227,21 +227,36 @@ def test_batched_prefill_of_long_and_short_prompts(tiny, chunk):
     assert [s.stats.accept_lengths for s in seqs] == [s.stats.accept_lengths for s in alone]
 
 
-def test_a_prefill_budget_bounds_the_whole_call(tiny):
-    """A budgeted prefill (chunks of 16/64/256 here) spends at most the budget, over all the
-    rows of a forward: one prompt and 100 tokens -> 64 + 16 + 16 (a remainder below the
-    narrowest chunk starts no forward); four prompts and 200 tokens -> rows of 16 sharing it."""
+@pytest.mark.parametrize("shapes", ["captured", "exact"])
+def test_a_prefill_budget_bounds_the_whole_call(tiny, shapes):
+    """A budgeted prefill spends at most the budget, over all the rows of a forward.
+    Shapes with graphs ("captured": chunks of 16/64/256 here): one prompt and 100 tokens ->
+    64 + 16 + 16 (a remainder below the narrowest chunk starts no forward); three prompts and
+    100 -> rows of 16, twice. Without graphs ("exact", as on CPU or for a shape not captured on
+    a GPU): one forward of exactly the budget, or of each row's share of it."""
     gen = torch.Generator().manual_seed(5)
     eng = StaticEngine(tiny, NoDrafter(), 6, (), slots=4, max_context=512, graphs=False)
+    if shapes == "captured":  # as if every chunk shape had a graph: padded to them
+        eng.target.prefill_eager = lambda key: False
     long = [torch.randint(3, 500, (300,), generator=gen).tolist() for _ in range(4)]
     seqs = [eng.new_sequence(p, SamplingParams(max_tokens=4)) for p in long]
     eng.prefill_batch(seqs[:1], max_tokens=100)
-    assert seqs[0].cache.length == 96
-    eng.prefill_batch(seqs[1:], max_tokens=100)  # three rows: 48, then 16 each again
-    assert [s.cache.length for s in seqs[1:]] == [32, 32, 32]
+    assert seqs[0].cache.length == (96 if shapes == "captured" else 100)
+    eng.prefill_batch(seqs[1:], max_tokens=100)
+    want = 32 if shapes == "captured" else 33  # 100 // 3 each; 1 left starts no forward
+    assert [s.cache.length for s in seqs[1:]] == [want] * 3
     before = sum(s.cache.length for s in seqs)
     eng.prefill_batch(seqs, max_tokens=200)
     assert 0 < sum(s.cache.length for s in seqs) - before <= 200
+    for seq in seqs:  # and what went in is the prompt: it decodes like a whole prefill
+        eng.prefill(seq)
+    ref = StaticEngine(tiny, NoDrafter(), 6, (), slots=4, max_context=512, graphs=False)
+    whole = [ref.new_sequence(p, SamplingParams(max_tokens=4)) for p in long]
+    ref.prefill_batch(whole)
+    for e, ss in ((eng, seqs), (ref, whole)):
+        while not all(s.finished for s in ss):
+            e.step_batch([s for s in ss if not s.finished], LiveParams(budget=0))
+    assert [s.output for s in seqs] == [s.output for s in whole]
 
 
 def test_spec_max_batch_switches_crowded_rounds_to_plain_decoding():
@@ -468,3 +483,20 @@ def test_kv_slots_fit_the_memory_fraction():
     pool = KVPool(cfg, cfg.num_layers, 3, 640, 512, "cpu", torch.float32)
     per_slot = KVPool.slot_bytes(cfg, cfg.num_layers, 640, torch.float32)
     assert 3 * per_slot == pool.k.nbytes + pool.v.nbytes
+
+
+def test_which_prompt_chunks_run_without_a_graph(tiny):
+    """Without graphs (CPU) every prompt chunk runs eagerly, exact. With graphs: before the
+    warm-up is done a new chunk shape is captured on first use; after it, only the shapes the
+    warm-up captured replay and any other runs without a graph (a capture while others decode
+    would stall them)."""
+    eng = StaticEngine(tiny, NoDrafter(), 6, (), slots=4, max_context=512, graphs=False)
+    target = eng.target
+    assert target.prefill_eager((False, 1, 16, 512))
+    target.graphs.enabled = True  # the decision alone (nothing is captured on a CPU)
+    target.graphs.graphs = {(False, 1, 16, 512): None}
+    assert not target.prefill_eager((False, 1, 1024, 2048))  # captured on first use
+    target.capture_prefill = False  # as the warm-up leaves it
+    assert not target.prefill_eager((False, 1, 16, 512))
+    assert target.prefill_eager((False, 1, 1024, 2048))
+    assert target.prefill_eager((False, 3, 40, 512))
