@@ -25,6 +25,11 @@ from ddserve.engine.static_models import pack_draft, pack_target
 PREFILL_CHUNKS = (16, 64, 256)  # prompt chunk widths, sdpa (it reads a padded key range)
 PREFILL_CHUNKS_LONG = (16, 64, 256, 1024, 2048)  # with the triton kernel
 PREFILL_ROWS = 8  # prompts prefilled together in one forward
+# prompt tokens of one forward without a graph while nothing decodes: a long prompt in one
+# (fused attention's memory is linear; on the H200 one 7,200-token causal attention took 0.18
+# ms a layer against ~0.5 in 2,048-token chunks, on this CPU a whole 2,000-token prefill 17%
+# less time than 256-token chunks: bench/NOTES.md)
+PREFILL_WHOLE = 8192
 
 
 def bucket_sizes(hi: int) -> list[int]:
@@ -84,9 +89,12 @@ class Prefill:
             b = next_bucket(len(todo), 1, PREFILL_ROWS)
             longest = max(seqs[i].cache.length for i in todo) + w
             if self.target.prefill_eager((False, b, w, self.target.ctx_bucket(longest))):
-                # no graph: the rows there are and up to their share exactly, nothing padded
+                # no graph: the rows there are and up to their share exactly, nothing padded;
+                # to an idle engine up to PREFILL_WHOLE tokens in one forward
                 if share is not None:
                     cap = min(max(share, self.chunks[0]), self.chunks[-1])
+                else:
+                    cap = max(self.chunks[-1], PREFILL_WHOLE // len(todo))
                 w = max(min(len(heads[i]) - seqs[i].cache.length, cap) for i in todo)
                 w, b = max(w, 2), len(todo)  # (a width of 1 would be a shape of its own)
             toks = np.zeros((b, w), dtype=np.int64)

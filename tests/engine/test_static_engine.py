@@ -500,3 +500,34 @@ def test_which_prompt_chunks_run_without_a_graph(tiny):
     assert not target.prefill_eager((False, 1, 16, 512))
     assert target.prefill_eager((False, 1, 1024, 2048))
     assert target.prefill_eager((False, 3, 40, 512))
+
+
+def test_an_idle_engine_prefills_a_long_prompt_in_one_forward(tiny):
+    """Without graphs and with nothing decoding, a prompt longer than the widest chunk goes in
+    one forward (two prompts: one forward of both rows), and decodes exactly as one prefilled
+    in the fixed chunks of captured shapes."""
+    gen = torch.Generator().manual_seed(9)
+    prompts = [torch.randint(3, 500, (n,), generator=gen).tolist() for n in (700, 450)]
+    outs = []
+    for shapes in ("exact", "captured"):
+        eng = StaticEngine(tiny, NoDrafter(), 6, (), slots=4, max_context=1024, graphs=False)
+        if shapes == "captured":
+            eng.target.prefill_eager = lambda key: False
+        forward, widths = eng.target.forward, []
+
+        def counting(packed, b, w, ctx, rows_are_slots, trees=None, forward=forward, widths=widths):
+            if not rows_are_slots:
+                widths.append((b, w))
+            return forward(packed, b, w, ctx, rows_are_slots, trees)
+
+        eng.target.forward = counting
+        seqs = [eng.new_sequence(p, SamplingParams(max_tokens=8)) for p in prompts]
+        eng.prefill_batch(seqs)
+        if shapes == "exact":
+            assert widths == [(2, 699)]
+        else:  # 256-wide chunks (this engine's widest), rows padded to a power of two
+            assert len(widths) == 3 and all(w == 256 for _, w in widths)
+        while not all(s.finished for s in seqs):
+            eng.step_batch([s for s in seqs if not s.finished], LiveParams(budget=0))
+        outs.append([s.output for s in seqs])
+    assert outs[0] == outs[1]
