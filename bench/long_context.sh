@@ -2,7 +2,8 @@
 # Long prompts through `ddserve engine` (issue 18), side by side in one run: the same engine
 # (SmolLM2-135M, AR: drafter none) served twice,
 #   before  --attention-backend sdpa   --chunked-prefill-size -1 --chunked-prefill-steps 0 (the padded-range reference,
-#           prompts prefilled whole: the engine before this change)
+#           prompts prefilled whole: the engine before issue 18; since 2026-12-02 its prompt
+#           chunks of shapes not captured at warm-up take torch's fused kernels too)
 #   after   --attention-backend triton --chunked-prefill-size 2048 (the defaults on a GPU)
 # each measured with `ddserve bench` at C=1 and C=16 for synthetic prompts of ~30, ~1,000,
 # ~2,900 and ~7,200 tokens (128-token answers), then bench/admission.py (15 running streams
