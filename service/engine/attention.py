@@ -137,14 +137,19 @@ def prefill_attention(
         m = min(w, length - p)
         qr = q[r * w : r * w + m].transpose(0, 1).unsqueeze(0)  # [1, nh, m, hd]
         keys, values = kc[slot : slot + 1, :, : p + m], vc[slot : slot + 1, :, : p + m]
+        gqa = not (q.device.type == "cuda" and q.dtype == torch.float32)
+        if not gqa:  # fp32 on CUDA: no flash/cuDNN; torch's memory-efficient kernel, which
+            # takes no GQA (the math fallback would hold an m x (p + m) score matrix)
+            keys = keys.repeat_interleave(nh // keys.shape[1], 1)
+            values = values.repeat_interleave(nh // values.shape[1], 1)
         with _fused_kernels(q.device, first_chunk=p == 0):
             if p == 0:
                 att = F.scaled_dot_product_attention(
-                    qr, keys, values, is_causal=True, enable_gqa=True
+                    qr, keys, values, is_causal=True, enable_gqa=gqa
                 )
             else:
                 att = F.scaled_dot_product_attention(
-                    qr, keys, values, attn_mask=_causal_from_end(m, p, q.device), enable_gqa=True
+                    qr, keys, values, attn_mask=_causal_from_end(m, p, q.device), enable_gqa=gqa
                 )
         out[r * w : r * w + m] = att[0].transpose(0, 1)
     return out
@@ -169,14 +174,17 @@ def _causal_from_end(m: int, past: int, device: torch.device):
 def _fused_kernels(device: torch.device, first_chunk: bool):
     """On CUDA, torch's fused kernels first, in the order measured fastest on the H200
     (bench.prefill_attention): cuDNN for a whole prompt from its start, flash for a chunk
-    after committed keys; math (fp32, or where neither takes the inputs) last. Elsewhere
+    after committed keys; then the memory-efficient kernel (fp32), math last. Elsewhere
     torch's own choice."""
     if device.type != "cuda":
         return contextlib.nullcontext()
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     fused = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION]
-    order = (fused if first_chunk else fused[::-1]) + [SDPBackend.MATH]
+    order = (fused if first_chunk else fused[::-1]) + [
+        SDPBackend.EFFICIENT_ATTENTION,
+        SDPBackend.MATH,
+    ]
     return sdpa_kernel(order, set_priority=True)
 
 

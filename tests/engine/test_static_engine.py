@@ -502,15 +502,20 @@ def test_which_prompt_chunks_run_without_a_graph(tiny):
     assert target.prefill_eager((False, 3, 40, 512))
 
 
-def test_an_idle_engine_prefills_a_long_prompt_in_one_forward(tiny):
+@pytest.mark.parametrize("drafter", ["none", "dflash"])
+def test_an_idle_engine_prefills_a_long_prompt_in_one_forward(tiny, drafter):
     """Without graphs and with nothing decoding, a prompt longer than the widest chunk goes in
     one forward (two prompts: one forward of both rows), and decodes exactly as one prefilled
-    in the fixed chunks of captured shapes."""
+    in the fixed chunks of captured shapes: the same KV entries, tokens and (DFlash, which
+    takes the prompt's tapped states) accept lengths; the last layer's keys depend on the
+    attention below it."""
     gen = torch.Generator().manual_seed(9)
     prompts = [torch.randint(3, 500, (n,), generator=gen).tolist() for n in (700, 450)]
-    outs = []
+    draft = random_dflash(tiny) if drafter == "dflash" else None
+    outs, pools = [], []
     for shapes in ("exact", "captured"):
-        eng = StaticEngine(tiny, NoDrafter(), 6, (), slots=4, max_context=1024, graphs=False)
+        d = DFlashDrafter(draft, tiny) if draft is not None else NoDrafter()
+        eng = StaticEngine(tiny, d, 6, (), slots=4, max_context=1024, graphs=False)
         if shapes == "captured":
             eng.target.prefill_eager = lambda key: False
         forward, widths = eng.target.forward, []
@@ -527,7 +532,12 @@ def test_an_idle_engine_prefills_a_long_prompt_in_one_forward(tiny):
             assert widths == [(2, 699)]
         else:  # 256-wide chunks (this engine's widest), rows padded to a power of two
             assert len(widths) == 3 and all(w == 256 for _, w in widths)
+        pools.append(
+            [(eng.target.pool.k[-1][s.cache.slot, :, : s.cache.length].clone()) for s in seqs]
+        )
         while not all(s.finished for s in seqs):
-            eng.step_batch([s for s in seqs if not s.finished], LiveParams(budget=0))
-        outs.append([s.output for s in seqs])
+            eng.step_batch([s for s in seqs if not s.finished], LiveParams(budget=4, topk=2))
+        outs.append([(s.output, s.stats.accept_lengths) for s in seqs])
     assert outs[0] == outs[1]
+    for a, b in zip(*pools, strict=True):
+        assert a.shape == b.shape and torch.allclose(a, b, atol=1e-5)
