@@ -95,7 +95,11 @@ class Prefill:
                     cap = min(max(share, self.chunks[0]), self.chunks[-1])
                 else:
                     cap = max(self.chunks[-1], PREFILL_WHOLE // len(todo))
-                w = max(min(len(heads[i]) - seqs[i].cache.length, cap) for i in todo)
+                left = {i: min(len(heads[i]) - seqs[i].cache.length, cap) for i in todo}
+                w = max(left.values())
+                # rows under half that width wait for a forward of their own (a short
+                # prompt would otherwise pay the long one's width in every matmul)
+                todo = [i for i in todo if 2 * left[i] >= w]
                 w, b = max(w, 2), len(todo)  # (a width of 1 would be a shape of its own)
             toks = np.zeros((b, w), dtype=np.int64)
             pos = np.tile(np.arange(ml - w, ml), (b, 1))  # rows that only fill the shape

@@ -530,6 +530,12 @@ def test_an_idle_engine_prefills_a_long_prompt_in_one_forward(tiny, drafter):
         eng.prefill_batch(seqs)
         if shapes == "exact":
             assert widths == [(2, 699)]
+            short = eng.new_sequence(prompts[1][:20], SamplingParams(max_tokens=1))
+            other = eng.new_sequence(prompts[0] + [7], SamplingParams(max_tokens=1))
+            eng.prefill_batch([other, short])  # under half the width: a forward of its own
+            assert widths[1:] == [(1, 700), (1, 19)] and eng.prefilled(short)
+            eng.release(short)
+            eng.release(other)
         else:  # 256-wide chunks (this engine's widest), rows padded to a power of two
             assert len(widths) == 3 and all(w == 256 for _, w in widths)
         pools.append(
