@@ -84,7 +84,8 @@ class Prefill:
             if max_tokens is not None:  # the widest chunk within each row's share of what is left
                 share = (max_tokens - spent) // len(todo)
                 cap = max([c for c in self.chunks if c <= share] or [self.chunks[0]])
-            n_max = max(min(len(heads[i]) - seqs[i].cache.length, cap) for i in todo)
+            rest = {i: len(heads[i]) - seqs[i].cache.length for i in todo}  # tokens to go
+            n_max = max(min(rest[i], cap) for i in todo)
             w = next(c for c in self.chunks if c >= n_max)
             b = next_bucket(len(todo), 1, PREFILL_ROWS)
             longest = max(seqs[i].cache.length for i in todo) + w
@@ -95,7 +96,7 @@ class Prefill:
                     cap = min(max(share, self.chunks[0]), self.chunks[-1])
                 else:
                     cap = max(self.chunks[-1], PREFILL_WHOLE // len(todo))
-                left = {i: min(len(heads[i]) - seqs[i].cache.length, cap) for i in todo}
+                left = {i: min(rest[i], cap) for i in todo}
                 w = max(left.values())
                 # rows under half that width wait for a forward of their own (a short
                 # prompt would otherwise pay the long one's width in every matmul)
