@@ -193,6 +193,44 @@ def test_graphs_equal_reference_cuda_fp32():
     compare(model, True, [(0, 1, 2048), (6, 2, 2048), (16, 4, 4)])
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=cuda)])
+@pytest.mark.parametrize("drafter", ["none", "dflash-untrained"])
+def test_prompt_chunks_after_warm_up_equal_reference_fp32(device, drafter):
+    """After the warm-up (CUDA), prompts whose chunk shapes were not captured run without a
+    graph (exact widths, one forward for a long prompt on an idle engine, a budgeted call's
+    share while others decode): no new prefill graph is captured, and every answer (tokens,
+    accept lengths) equals the reference's, alone and joining running requests."""
+    model = random_llama(tiny_config(vocab_size=512), seed=3).to(device)
+    params = LiveParams(budget=6, topk=2)
+    make = drafters(model)[drafter]
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 500, (n,), generator=gen).tolist() for n in (700, 333, 37, 290)]
+    ref = ReferenceEngine(model, make(), 6, ())
+    alone = [ref.generate(p, SamplingParams(max_tokens=12), params) for p in prompts]
+    eng = StaticEngine(
+        model, make(), 6, (), slots=8, max_context=1024, graphs=device == "cuda"
+    )
+    eng.warm_up(params)
+    captured = {k for k in eng.target.graphs.graphs if not k[0]}
+    mine = [eng.generate(p, SamplingParams(max_tokens=12), params) for p in prompts]
+    assert [s.output for s in mine] == [s.output for s in alone]
+    assert [s.stats.accept_lengths for s in mine] == [s.stats.accept_lengths for s in alone]
+    # two running, two joining with a budget of 100 prompt tokens a round
+    seqs = [eng.new_sequence(p, SamplingParams(max_tokens=12)) for p in prompts]
+    for s in seqs[:2]:
+        eng.prefill(s)
+    while not all(s.finished for s in seqs):
+        joining = [s for s in seqs[2:] if not eng.prefilled(s)]
+        if joining:
+            eng.prefill_batch(joining, max_tokens=100)
+        eng.step_batch([s for s in seqs if eng.prefilled(s) and not s.finished], params)
+    assert [s.output for s in seqs] == [s.output for s in alone]
+    assert {k for k in eng.target.graphs.graphs if not k[0]} == captured
+    for s in seqs:
+        eng.release(s)
+    assert eng.free_slots == 8
+
+
 @pytest.mark.parametrize("chunk", [None, 40], ids=["whole", "chunked"])
 def test_batched_prefill_of_long_and_short_prompts(tiny, chunk):
     """Prompts of 1 to 300 tokens prefilled together (several chunks, rows of one forward),
