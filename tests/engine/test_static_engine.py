@@ -207,9 +207,7 @@ def test_prompt_chunks_after_warm_up_equal_reference_fp32(device, drafter):
     prompts = [torch.randint(3, 500, (n,), generator=gen).tolist() for n in (700, 333, 37, 290)]
     ref = ReferenceEngine(model, make(), 6, ())
     alone = [ref.generate(p, SamplingParams(max_tokens=12), params) for p in prompts]
-    eng = StaticEngine(
-        model, make(), 6, (), slots=8, max_context=1024, graphs=device == "cuda"
-    )
+    eng = StaticEngine(model, make(), 6, (), slots=8, max_context=1024, graphs=device == "cuda")
     eng.warm_up(params)
     captured = {k for k in eng.target.graphs.graphs if not k[0]}
     mine = [eng.generate(p, SamplingParams(max_tokens=12), params) for p in prompts]
