@@ -64,6 +64,12 @@ class StaticTarget:
     ):
         self.model = model
         self.layer = layer_fn  # layer_step, or the engine's compiled version of it
+        # a prompt chunk outside a graph runs the plain layer: a compiled one meets a new
+        # (rows, width, context) with a guard to fail (dynamic shapes still specialise on
+        # ranges and on sizes equal to the model's), recompiled for seconds while others
+        # wait, and checks its growing list of variants every layer (~35 ms of host time a
+        # 7,200-token prefill forward on the H200, bench/NOTES.md)
+        self.prefill_layer = layer_step
         self.attention = attention  # "sdpa" | "triton" (ddserve.engine.attention)
         for block in model.layers:
             fuse_weights(block)
@@ -150,8 +156,9 @@ class StaticTarget:
         mode = TREE if rows_are_slots else CAUSAL
         attn = ragged or plan(self.attention, lens, mode, tree, w, ctx, groups, x.dtype)
         taps = []
+        layer = self.layer if ragged is None else self.prefill_layer
         for i, block in enumerate(m.layers):
-            x = self.layer(
+            x = layer(
                 block,
                 x,
                 cos,

@@ -165,10 +165,9 @@ class Prefill:
                         toks = np.zeros((b, w), np.int64)
                         packed = pack_target(toks, guard, guard, zeros, zeros)
                         self.target.forward(packed, b, w, ctx, False)
-        # from now on a prompt chunk of a shape not captured runs without a graph (a capture
-        # while others decode would stall them); one such chunk of one, two and three rows
-        # now, so their compiled variants are ready (as the graphs' are: sizes 1 and 2 are
-        # specialised, and 2 may equal another dimension, as Qwen's 2 kv heads)
+        # from now on a prompt chunk of a shape not captured runs without a graph and
+        # uncompiled (a capture or a recompilation while others decode would stall them);
+        # one such chunk of one, two and three rows now (the libraries' first-use set-up)
         self.target.capture_prefill = False
         w = self.chunks[0] + 1
         for b in (1, 2, 3):

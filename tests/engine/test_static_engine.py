@@ -525,7 +525,7 @@ def test_which_prompt_chunks_run_without_a_graph(tiny):
     """Without graphs (CPU) every prompt chunk runs eagerly, exact. With graphs: before the
     warm-up is done a new chunk shape is captured on first use; after it, only the shapes the
     warm-up captured replay and any other runs without a graph (a capture while others decode
-    would stall them)."""
+    would stall them), through the plain layers, not the compiled ones."""
     eng = StaticEngine(tiny, NoDrafter(), 6, (), slots=4, max_context=512, graphs=False)
     target = eng.target
     assert target.prefill_eager((False, 1, 16, 512))
@@ -536,6 +536,15 @@ def test_which_prompt_chunks_run_without_a_graph(tiny):
     assert not target.prefill_eager((False, 1, 16, 512))
     assert target.prefill_eager((False, 1, 1024, 2048))
     assert target.prefill_eager((False, 3, 40, 512))
+
+    def compiled(*args, **kwargs):
+        raise AssertionError("a prompt chunk without a graph ran the compiled layer")
+
+    # such a chunk runs the plain layer: a compiled one would recompile for a new shape
+    target.layer = compiled
+    seq = eng.new_sequence(list(range(3, 43)), SamplingParams(max_tokens=1))
+    eng.prefill(seq)
+    assert eng.prefilled(seq)
 
 
 @pytest.mark.parametrize("drafter", ["none", "dflash"])
