@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import bisect
 
+from ddserve.api.pieces import encode_pieces
 from ddserve.errors import InvalidRequest
 
 
@@ -12,13 +13,12 @@ def render_chat(tokenizer, messages: list[dict]) -> list[int]:
     if tokenizer is None:
         raise InvalidRequest("this model has no tokenizer; send token ids to /generate")
     try:
-        out = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     except Exception as exc:  # jinja errors for messages the template rejects
         raise InvalidRequest(
             f"the model's chat template rejected the messages: {exc}", param="messages"
         ) from exc
-    ids = out["input_ids"] if hasattr(out, "keys") else out
-    return list(ids)
+    return encode(tokenizer, text)  # as the template's own tokenize=True does
 
 
 def longest_token_chars(tokenizer) -> int | None:
@@ -33,7 +33,8 @@ def longest_token_chars(tokenizer) -> int | None:
 def encode(tokenizer, text: str) -> list[int]:
     if tokenizer is None:
         raise InvalidRequest("this model has no tokenizer; send token ids")
-    return list(tokenizer.encode(text, add_special_tokens=False))
+    ids = encode_pieces(tokenizer, text)  # a long text: in parallel pieces, the same ids
+    return ids if ids is not None else list(tokenizer.encode(text, add_special_tokens=False))
 
 
 class Detokenizer:
