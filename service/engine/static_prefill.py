@@ -56,51 +56,72 @@ class Prefill:
     @torch.inference_mode()
     def prefill_batch(self, seqs: list[Sequence], max_tokens: int | None = None) -> None:
         """Prefill the prompts (all but their last token) of up to PREFILL_ROWS requests per
-        forward, in chunks of fixed widths; each row reads and writes its own slot. With
-        `max_tokens`, chunks are at most that wide and the call stops once that many prompt
-        tokens went in, or what is left of it is below the narrowest chunk (the first forward
-        always runs); each forward's rows share what is left (at least the narrowest chunk
-        each, so several rows may pass it by that much); a later call goes on where this one
-        stopped (`prefilled` says when a prompt is in)."""
-        spent = 0
-        for at in range(0, len(seqs), PREFILL_ROWS):
-            left = None if max_tokens is None else max_tokens - spent
-            if left is not None and (left <= 0 or (spent and left < self.chunks[0])):
-                break
-            spent += self._prefill_rows(seqs[at : at + PREFILL_ROWS], left)
+        forward; each row reads and writes its own slot. With `max_tokens` (chunked prefill:
+        the runner interleaves prompts with the running requests' rounds), at most about that
+        many prompt tokens go in (`allot`); a later call goes on where this one stopped
+        (`prefilled` says when a prompt is in)."""
+        quotas = self.allot(seqs, max_tokens)
+        taking = [seq for seq in seqs if quotas.get(id(seq), 0) > 0]
+        for at in range(0, len(taking), PREFILL_ROWS):
+            self._prefill_rows(taking[at : at + PREFILL_ROWS], quotas)
 
-    def _prefill_rows(self, seqs: list[Sequence], max_tokens: int | None) -> int:
+    def allot(self, seqs: list[Sequence], max_tokens: int | None) -> dict[int, float]:
+        """Prompt tokens each sequence (by id) may take in one call. Without a budget, all.
+        With one, in order: a prompt whose rest fits what is left goes in whole (a burst of
+        short prompts is admitted whole, first come first, never cut into narrow chunks); one
+        that fits a later call whole waits for it; those longer than the whole budget share
+        what is left, at least the narrowest chunk each (a long prompt moves every call, and
+        short ones arriving behind it are not held up by it)."""
+        rests = [(seq, len(seq.tokens) - 1 - seq.cache.length) for seq in seqs]
+        if max_tokens is None:
+            return {id(seq): float("inf") for seq, rest in rests if rest > 0}
+        quotas, longs, left = {}, [], max_tokens
+        for seq, rest in rests:
+            if 0 < rest <= left:
+                quotas[id(seq)] = rest
+                left -= rest
+            elif rest > max_tokens:
+                longs.append(seq)
+        if longs and (left >= self.chunks[0] or not quotas):
+            share = max(left // len(longs), self.chunks[0])
+            quotas.update((id(seq), share) for seq in longs)
+        return quotas
+
+    def _prefill_rows(self, seqs: list[Sequence], quotas: dict[int, float]) -> int:
         t0 = time.perf_counter()
         heads = [seq.tokens[:-1] for seq in seqs]
+        left_q = [quotas[id(seq)] for seq in seqs]  # tokens each row may still take
         ml = self.pool.max_len
         spent = 0
-        while max_tokens is None or spent < max_tokens:
-            todo = [i for i, h in enumerate(heads) if seqs[i].cache.length < len(h)]
-            if not todo or (
-                max_tokens is not None and spent and max_tokens - spent < self.chunks[0]
-            ):
-                break  # done, or what is left of the budget is below the narrowest chunk
-            cap, share = self.chunks[-1], None
-            if max_tokens is not None:  # the widest chunk within each row's share of what is left
-                share = (max_tokens - spent) // len(todo)
-                cap = max([c for c in self.chunks if c <= share] or [self.chunks[0]])
-            rest = {i: len(heads[i]) - seqs[i].cache.length for i in todo}  # tokens to go
-            n_max = max(min(rest[i], cap) for i in todo)
-            w = next(c for c in self.chunks if c >= n_max)
+        while True:
+            rest = {i: len(h) - seqs[i].cache.length for i, h in enumerate(heads)}
+            # a row cut short by its quota stops once that is below the narrowest chunk
+            todo = [
+                i
+                for i in rest
+                if rest[i] > 0
+                and left_q[i] > 0
+                and (left_q[i] >= rest[i] or left_q[i] >= self.chunks[0])
+            ]
+            if not todo:
+                break
+            need = {i: min(rest[i], left_q[i]) for i in todo}
+            # the chunk widths with graphs: a row that ends its prompt pads up to one; a row
+            # cut short takes whole chunks (the widest within its quota: no padded waste)
+            fit = [need[i] if need[i] == rest[i] else self._floor_chunk(need[i]) for i in todo]
+            w = next(c for c in self.chunks if c >= min(max(fit), self.chunks[-1]))
             b = next_bucket(len(todo), 1, PREFILL_ROWS)
             longest = max(seqs[i].cache.length for i in todo) + w
+            take = {i: min(need[i], w) for i in todo}
             if self.target.prefill_eager((False, b, w, self.target.ctx_bucket(longest))):
-                # no graph: the rows there are and up to their share exactly, nothing padded;
-                # to an idle engine up to PREFILL_WHOLE tokens in one forward
-                if share is not None:
-                    cap = min(max(share, self.chunks[0]), self.chunks[-1])
-                else:
-                    cap = max(self.chunks[-1], PREFILL_WHOLE // len(todo))
-                left = {i: min(rest[i], cap) for i in todo}
-                w = max(left.values())
+                # no graph: the rows there are and what they take exactly, nothing padded;
+                # up to PREFILL_WHOLE tokens in one forward (a long prompt to an idle engine)
+                cap = max(self.chunks[-1], PREFILL_WHOLE // len(todo))
+                take = {i: min(need[i], cap) for i in todo}
+                w = max(take.values())
                 # rows under half that width wait for a forward of their own (a short
                 # prompt would otherwise pay the long one's width in every matmul)
-                todo = [i for i in todo if 2 * left[i] >= w]
+                todo = [i for i in todo if 2 * take[i] >= w]
                 w, b = max(w, 2), len(todo)  # (a width of 1 would be a shape of its own)
             toks = np.zeros((b, w), dtype=np.int64)
             pos = np.tile(np.arange(ml - w, ml), (b, 1))  # rows that only fill the shape
@@ -108,7 +129,7 @@ class Prefill:
             takes, longest = [], 0
             for r, i in enumerate(todo):
                 at = seqs[i].cache.length
-                n = min(len(heads[i]) - at, w)
+                n = take[i]
                 toks[r, :n] = heads[i][at : at + n]
                 # the chunk's padding past the prompt may run beyond the pool: clamp it to the
                 # last (guard) entry; no real token sees it (causal), and it is never kept
@@ -122,6 +143,7 @@ class Prefill:
                 if taps is not None:
                     seqs[i].hidden_new.append(taps[r * w : r * w + n].clone())
                 seqs[i].cache.length += n
+                left_q[i] -= n
                 spent += n
         if self.model.device.type == "cuda":  # the work done, not its launch (stats, pacing)
             torch.cuda.synchronize()
@@ -129,6 +151,10 @@ class Prefill:
         for seq in seqs:
             seq.stats.prefill_s += elapsed
         return spent
+
+    def _floor_chunk(self, n: int) -> int:
+        """The widest chunk of at most n tokens (the narrowest if none)."""
+        return max([c for c in self.chunks if c <= n] or [self.chunks[0]])
 
     @torch.inference_mode()
     def warm_up(self, params: LiveParams, contexts=(128, 256, 512), budgets=None) -> float:

@@ -295,6 +295,37 @@ def test_a_prefill_budget_bounds_the_whole_call(tiny, shapes):
     assert [s.output for s in seqs] == [s.output for s in whole]
 
 
+@pytest.mark.parametrize("shapes", ["captured", "exact"])
+def test_a_budget_admits_short_prompts_whole_and_first_come_first(tiny, shapes):
+    """A budgeted call (the runner's while others decode) takes short prompts whole, in
+    order, as many as fit: a burst of 40-token prompts with a budget of 100 goes in two per
+    call, none cut into narrow chunks (each answer's first token one round after its
+    prompt). A prompt longer than the whole budget shares what the short ones leave, at least
+    the narrowest chunk: it moves every call and does not hold up short prompts behind it."""
+    gen = torch.Generator().manual_seed(8)
+    eng = StaticEngine(tiny, NoDrafter(), 6, (), slots=8, max_context=512, graphs=False)
+    if shapes == "captured":
+        eng.target.prefill_eager = lambda key: False
+    burst = [torch.randint(3, 500, (41,), generator=gen).tolist() for _ in range(5)]
+    seqs = [eng.new_sequence(p, SamplingParams(max_tokens=2)) for p in burst]
+    admitted = []
+    while not all(eng.prefilled(s) for s in seqs):
+        eng.prefill_batch([s for s in seqs if not eng.prefilled(s)], max_tokens=100)
+        assert {s.cache.length for s in seqs} <= {0, 40}  # whole or not at all
+        admitted.append(sum(eng.prefilled(s) for s in seqs))
+    assert admitted == [2, 4, 5]
+    for s in seqs:
+        eng.release(s)
+    long = eng.new_sequence(torch.randint(3, 500, (301,), generator=gen).tolist(), SamplingParams())
+    shorts = [eng.new_sequence(p, SamplingParams(max_tokens=2)) for p in burst[:2]]
+    eng.prefill_batch([long, *shorts], max_tokens=100)
+    assert all(eng.prefilled(s) for s in shorts)
+    assert long.cache.length == 20  # the 20 left (in the shorts' 64-wide chunk)
+    eng.prefill_batch([long, *shorts], max_tokens=100)  # the shorts are in: all of it
+    # whole chunks when alone (64 + 16 + 16; the 4 left start no forward), or exactly 100
+    assert long.cache.length == (20 + 96 if shapes == "captured" else 120)
+
+
 def test_spec_max_batch_switches_crowded_rounds_to_plain_decoding():
     """With spec_max_batch=1, rounds of several requests verify roots only: outputs stay
     those of each request alone, in more rounds. (Budget-0 rounds with a DFlash drafter,
