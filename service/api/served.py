@@ -18,6 +18,7 @@ from ddserve.api import openai_format as fmt
 from ddserve.api.backend import Backend
 from ddserve.api.generation import complete, every_n_tokens, resolve_sampling
 from ddserve.api.limits import Admission, ServerLimits, deadline_stream, guarded
+from ddserve.api.pieces import ready as pieces_ready
 from ddserve.api.protocol import Sampling
 from ddserve.api.text import TokenStrings, longest_token_chars
 from ddserve.errors import (
@@ -66,6 +67,7 @@ class Served:
         }
         self.admission = Admission(limits.max_requests, limits.retry_after_s)
         self.longest_token = longest_token_chars(backend.tokenizer)
+        pieces_ready(backend.tokenizer)  # long prompts in parallel pieces: decided at load
         self.strings = TokenStrings(backend.tokenizer)  # token id -> (text, bytes), log-probs
 
     async def admit(self):

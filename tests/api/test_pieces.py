@@ -146,3 +146,19 @@ def test_tokenizers_that_could_differ_are_encoded_whole(smollm2, change):
     elif change == "nfkc":
         d["normalizer"] = {"type": "NFKC"}
     assert not splittable(Tokenizer.from_str(json.dumps(d)))
+
+
+def test_a_token_added_after_load_or_split_special_tokens_is_honoured(small_pieces):
+    """The decision follows the tokenizer: a token added later (with a space in it) makes it
+    encode whole; `split_special_tokens` (special-token text read as text) too, as one
+    encode would."""
+    tok = load_tokenizer("smollm2-135m")  # its own object: this test changes it
+    text = "hello world <|im_end|> world again and again " * 4
+    assert encode_pieces(tok, text, 4) == whole(tok, text)
+    tok.split_special_tokens = True
+    assert encode_pieces(tok, text, 4) is None
+    assert encode(tok, text) == whole(tok, text)
+    tok.split_special_tokens = False
+    tok.add_tokens(["lo wo"])
+    assert encode_pieces(tok, text, 4) is None
+    assert encode(tok, text) == whole(tok, text)
