@@ -356,13 +356,13 @@ class EngineRunner:
         if joining:  # the new requests' prompts in one batch; one by one if that fails
             # while others decode, a bounded chunk per round (chunked prefill); alone, all of it
             budget = self.pacer.budget(decoding=bool(ready))
-            before, t0 = sum(r.seq.cache.length for r in joining), time.perf_counter()
+            t0 = time.perf_counter()
             try:
-                self.engine.prefill_batch([r.seq for r in joining], budget)
-                # paced chunks only, and only full ones (a prompt's padded tail costs a
-                # chunk's time for fewer tokens)
-                if ready and not all(self.engine.prefilled(r.seq) for r in joining):
-                    spent = sum(r.seq.cache.length for r in joining) - before
+                spent = self.engine.prefill_batch([r.seq for r in joining], budget)
+                # paced chunks only, and only those that filled most of their budget (a
+                # prompt's padded tail, or a short one alone, costs a chunk's time for fewer
+                # tokens)
+                if ready and budget is not None and 2 * spent >= budget:
                     self.pacer.prefilled(spent, time.perf_counter() - t0)
             except Exception:
                 for req in joining:

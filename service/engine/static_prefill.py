@@ -54,36 +54,43 @@ class Prefill:
         return seq.cache.length >= len(seq.tokens) - 1
 
     @torch.inference_mode()
-    def prefill_batch(self, seqs: list[Sequence], max_tokens: int | None = None) -> None:
+    def prefill_batch(self, seqs: list[Sequence], max_tokens: int | None = None) -> int:
         """Prefill the prompts (all but their last token) of up to PREFILL_ROWS requests per
         forward; each row reads and writes its own slot. With `max_tokens` (chunked prefill:
         the runner interleaves prompts with the running requests' rounds), at most about that
         many prompt tokens go in (`allot`); a later call goes on where this one stopped
-        (`prefilled` says when a prompt is in)."""
+        (`prefilled` says when a prompt is in). Returns the prompt tokens that went in."""
         quotas = self.allot(seqs, max_tokens)
         taking = [seq for seq in seqs if quotas.get(id(seq), 0) > 0]
+        spent = 0
         for at in range(0, len(taking), PREFILL_ROWS):
-            self._prefill_rows(taking[at : at + PREFILL_ROWS], quotas)
+            spent += self._prefill_rows(taking[at : at + PREFILL_ROWS], quotas)
+        return spent
 
     def allot(self, seqs: list[Sequence], max_tokens: int | None) -> dict[int, float]:
-        """Prompt tokens each sequence (by id) may take in one call. Without a budget, all.
-        With one, in order: a prompt whose rest fits what is left goes in whole (a burst of
-        short prompts is admitted whole, first come first, never cut into narrow chunks); one
-        that fits a later call whole waits for it; those longer than the whole budget share
-        what is left, at least the narrowest chunk each (a long prompt moves every call, and
-        short ones arriving behind it are not held up by it)."""
+        """Prompt tokens each sequence (by id) may take in one call. Without a budget, all;
+        with one of 0 or less, none. Otherwise: prompts longer than the whole budget are long;
+        the first k of them (k: as many as the budget has narrowest chunks for, at least one)
+        keep a narrowest chunk each, so they move every call; then, in order, a prompt whose
+        rest fits what is left goes in whole (a burst of short prompts is admitted whole,
+        first come first, never cut into narrow chunks), and one that does not waits for a
+        later call; the k long ones share what is left. At most the budget goes in, or the
+        narrowest chunk where the budget is smaller."""
         rests = [(seq, len(seq.tokens) - 1 - seq.cache.length) for seq in seqs]
         if max_tokens is None:
             return {id(seq): float("inf") for seq, rest in rests if rest > 0}
-        quotas, longs, left = {}, [], max_tokens
+        if max_tokens <= 0:
+            return {}
+        narrow = self.chunks[0]
+        longs = [seq for seq, rest in rests if rest > max_tokens]
+        longs = longs[: max(1, max_tokens // narrow)]
+        quotas, left = {}, max_tokens - narrow * len(longs)
         for seq, rest in rests:
-            if 0 < rest <= left:
+            if 0 < rest <= max_tokens and rest <= left:
                 quotas[id(seq)] = rest
                 left -= rest
-            elif rest > max_tokens:
-                longs.append(seq)
-        if longs and (left >= self.chunks[0] or not quotas):
-            share = max(left // len(longs), self.chunks[0])
+        if longs:
+            share = max((max(left, 0) + narrow * len(longs)) // len(longs), narrow)
             quotas.update((id(seq), share) for seq in longs)
         return quotas
 

@@ -320,10 +320,31 @@ def test_a_budget_admits_short_prompts_whole_and_first_come_first(tiny, shapes):
     shorts = [eng.new_sequence(p, SamplingParams(max_tokens=2)) for p in burst[:2]]
     eng.prefill_batch([long, *shorts], max_tokens=100)
     assert all(eng.prefilled(s) for s in shorts)
-    assert long.cache.length == 20  # the 20 left (in the shorts' 64-wide chunk)
-    eng.prefill_batch([long, *shorts], max_tokens=100)  # the shorts are in: all of it
+    assert long.cache.length == 20  # the 20 left (a narrowest chunk was kept for it)
     # whole chunks when alone (64 + 16 + 16; the 4 left start no forward), or exactly 100
-    assert long.cache.length == (20 + 96 if shapes == "captured" else 120)
+    spent = eng.prefill_batch([long, *shorts], max_tokens=100)  # the shorts are in
+    assert spent == long.cache.length - 20 == (96 if shapes == "captured" else 100)
+    for s in [long, *shorts]:
+        eng.release(s)
+    # short prompts arriving all the time never hold a long one back: it keeps a chunk
+    long = eng.new_sequence(torch.randint(3, 500, (301,), generator=gen).tolist(), SamplingParams())
+    moved = []
+    for _ in range(4):
+        shorts = [eng.new_sequence(p, SamplingParams(max_tokens=2)) for p in burst[:3]]
+        before = long.cache.length
+        assert eng.prefill_batch([long, *shorts], max_tokens=100) <= 100
+        moved.append(long.cache.length - before)
+        for s in shorts:
+            eng.release(s)
+    assert min(moved) >= 16, moved
+    # no budget: nothing; many long prompts: no more than the budget (16 each for 6 of them)
+    many = [
+        eng.new_sequence(torch.randint(3, 500, (200,), generator=gen).tolist(), SamplingParams())
+        for _ in range(7)
+    ]
+    assert eng.prefill_batch(many, max_tokens=0) == 0
+    assert eng.prefill_batch(many, max_tokens=100) <= 100
+    assert sum(s.cache.length > 0 for s in many) == 6
 
 
 def test_spec_max_batch_switches_crowded_rounds_to_plain_decoding():
