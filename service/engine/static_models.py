@@ -64,11 +64,11 @@ class StaticTarget:
     ):
         self.model = model
         self.layer = layer_fn  # layer_step, or the engine's compiled version of it
-        # a prompt chunk outside a graph runs the plain layer: a compiled one meets a new
-        # (rows, width, context) with a guard to fail (dynamic shapes still specialise on
-        # ranges and on sizes equal to the model's), recompiled for seconds while others
-        # wait, and checks its growing list of variants every layer (~35 ms of host time a
-        # 7,200-token prefill forward on the H200, bench/NOTES.md)
+        # a prompt chunk outside a graph runs the plain layer: a compiled one meets new
+        # (rows, width) with a guard to fail (dynamic shapes still specialise on ranges and
+        # on sizes equal to the model's) and recompiles for seconds while others wait; on
+        # the H200 such prefills also took a flat ~37 ms from 1,000 to 7,200 tokens
+        # (host-bound, cause not profiled: bench/NOTES.md)
         self.prefill_layer = layer_step
         self.attention = attention  # "sdpa" | "triton" (ddserve.engine.attention)
         for block in model.layers:
