@@ -1,0 +1,1 @@
+mkdir -p /root/parts /root/res && cp .carry/p2/* /root/parts/ && ls -la /root/parts
