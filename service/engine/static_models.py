@@ -133,12 +133,9 @@ class StaticTarget:
     def _prefill_eager(self, packed: np.ndarray, key: tuple):
         _, b, w, _ = key
         n = b * w
-        # lengths and slots as tensors of their own (a view's storage offset would be a
-        # guard of the compiled layers, one more compilation per row count)
-        past = torch.tensor(packed[3 * n : 3 * n + b], dtype=torch.int64)
-        slots = torch.tensor(packed[3 * n + b : 3 * n + 2 * b], dtype=torch.int64)
+        host = torch.from_numpy(packed[3 * n : 3 * n + 2 * b].astype(np.int64))  # lengths, slots
         inp = torch.from_numpy(packed).to(self.model.device, non_blocking=False)
-        return self._forward(inp, key, ragged=plan_ragged(past, slots))
+        return self._forward(inp, key, ragged=plan_ragged(host[:b], host[b:]))
 
     def _forward(self, inp: torch.Tensor, key: tuple, ragged=None):
         rows_are_slots, b, w, ctx = key

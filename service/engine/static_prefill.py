@@ -200,14 +200,13 @@ class Prefill:
                         self.target.forward(packed, b, w, ctx, False)
         # from now on a prompt chunk of a shape not captured runs without a graph and
         # uncompiled (a capture or a recompilation while others decode would stall them);
-        # one such chunk of one, two and three rows now (the libraries' first-use set-up)
+        # one such chunk now (the fused attention kernels' first-use set-up)
         self.target.capture_prefill = False
         w = self.chunks[0] + 1
-        for b in (1, 2, 3):
-            guard = np.tile(np.arange(ml - w, ml), (b, 1))
-            zeros = np.zeros(b, np.int64)
-            packed = pack_target(np.zeros((b, w), np.int64), guard, guard, zeros, zeros)
-            self.target.forward(packed, b, w, self.target.ctx_bucket(w), False)
+        guard = np.arange(ml - w, ml)[None]
+        zeros = np.zeros(1, np.int64)
+        packed = pack_target(np.zeros((1, w), np.int64), guard, guard, zeros, zeros)
+        self.target.forward(packed, 1, w, self.target.ctx_bucket(w), False)
         if self.sdraft is not None:  # context-only rounds (budget 0)
             wn = self.sdraft.new_rows
             for b in bucket_sizes(self.pool.slots):
