@@ -137,10 +137,9 @@ def encode_pieces(tokenizer, text: str, threads: int | None = None) -> list[int]
         return None
     backend = tokenizer.backend_tokenizer
     # the wrapper sets these on the backend per call; a bare backend call reads what is left
-    split = bool(getattr(tokenizer, "split_special_tokens", False))
     if (
-        split
-        or bool(getattr(backend, "encode_special_tokens", False)) != split
+        getattr(tokenizer, "split_special_tokens", False)
+        or getattr(backend, "encode_special_tokens", False)
         or backend.truncation is not None
         or backend.padding is not None
     ):
