@@ -36,6 +36,9 @@ bench_levels() {  # URL OUTDIR: one `ddserve bench` per level, max(REQ, 2C) requ
         n=$((2 * c > req ? 2 * c : req))
         $py -m ddserve bench --url "$1" --out "$2-C$c" --concurrency "$c" --requests "$n" \
             --max-tokens "$tokens" --prompts "$prompts" --no-progress | grep -E "^ +$c "
+        # the server's own histograms after the level (cumulative: TTFT seen by the API
+        # process next to the client's), where the URL serves them
+        curl -s -m 5 "$1/metrics" >"$2-C$c.prom" 2>/dev/null || rm -f "$2-C$c.prom"
     done
 }
 
