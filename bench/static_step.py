@@ -225,7 +225,12 @@ def time_prefill(model, mode: str, attn: str, lengths: list[int], longest: int) 
     eng.warm_up(LiveParams(budget=0))  # as served: chunks of shapes not captured run eagerly
     rows = []
     rng = np.random.default_rng(0)
-    for n in lengths:
+    as_served = eng.target.prefill_eager
+    paths = ["served", "no-graph"] if eng.target.graphs.enabled else ["served"]
+    for n, path in ((n, p) for n in lengths for p in paths):
+        # "no-graph": every chunk without a graph (exact widths), as before the warm-up
+        # captured prompt chunks for every context (triton), side by side
+        eng.target.prefill_eager = as_served if path == "served" else (lambda key: True)
         prompt = rng.integers(3, model.cfg.vocab_size, n + 1).tolist()
         times = []
         for i in range(6):
@@ -246,12 +251,13 @@ def time_prefill(model, mode: str, attn: str, lengths: list[int], longest: int) 
                 "mode": mode,
                 "attention": attn,
                 "prompt_tokens": n,
+                "prefill_path": path,
                 "prefill_ms": round(ms, 3),
                 "kernels": kernels,
                 "top_kernels_name_count_ms": kernels_per_call.top,
             }
         )
-        print(f"{mode:8s} {attn:6s} prefill {n:5d} tokens: {ms:.2f} ms", flush=True)
+        print(f"{mode:8s} {attn:6s} prefill {n:5d} tokens ({path}): {ms:.2f} ms", flush=True)
     del eng
     torch.cuda.empty_cache()
     return rows

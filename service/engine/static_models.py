@@ -99,6 +99,15 @@ class StaticTarget:
         lo = 512 if self.attention == "triton" else 128
         return next_bucket(longest, lo, self.pool.max_len)
 
+    def prefill_ctx(self, longest: int) -> int:
+        """The context class of a prompt chunk's shape. With triton, one class, the pool's:
+        the kernel reads each row's own keys (the class only bounds the key splits), so one
+        graph per (rows, width) serves every context and the warm-up captures them all (on
+        the H200 a chunk outside a graph paid ~25 ms of launches whatever its width, and 16
+        prompts of 2,900 tokens joining a running batch waited 8.8 s: bench/NOTES.md). sdpa
+        reads the padded key range: the smallest class that holds it."""
+        return self.ctx_bucket(self.pool.max_len if self.attention == "triton" else longest)
+
     @torch.inference_mode()
     def forward(
         self, packed: np.ndarray, b: int, w: int, ctx: int, rows_are_slots: bool, trees=None

@@ -68,13 +68,15 @@ class Prefill:
         return spent
 
     def allot(self, seqs: list[Sequence], max_tokens: int | None) -> dict[int, float]:
-        """Prompt tokens each sequence (by id) may take in one call. Without a budget, all;
-        with one of 0 or less, none. Otherwise: prompts longer than the whole budget are long;
-        the first k of them (k: as many as the budget has narrowest chunks for, at least one)
-        keep a narrowest chunk each, so they move every call; then, in order, a prompt whose
-        rest fits what is left goes in whole (a burst of short prompts is admitted whole,
-        first come first, never cut into narrow chunks), and one that does not waits for a
-        later call; the k long ones share what is left. At most the budget goes in, or the
+        """Prompt tokens each sequence (by id, `seqs` oldest first) may take in one call.
+        Without a budget, all; with one of 0 or less, none. Otherwise first come first, as
+        vLLM's and SGLang's chunked prefill: in order, a prompt whose rest fits what is left
+        goes in whole (a burst of short prompts is admitted whole, never cut into narrow
+        chunks), one that does not waits; the oldest prompt longer than the whole budget
+        takes what is left (at least the narrowest chunk when nothing older took any) and
+        younger ones wait for it. Sharing the budget among long prompts made every one of
+        them finish last: 16 prompts of 2,900 tokens joining a running batch on the H200 got
+        their first tokens after 8.8 s at the median. At most the budget goes in, or the
         narrowest chunk where the budget is smaller."""
         rests = [(seq, len(seq.tokens) - 1 - seq.cache.length) for seq in seqs]
         if max_tokens is None:
@@ -82,16 +84,15 @@ class Prefill:
         if max_tokens <= 0:
             return {}
         narrow = self.chunks[0]
-        longs = [seq for seq, rest in rests if rest > max_tokens]
-        longs = longs[: max(1, max_tokens // narrow)]
-        quotas, left = {}, max_tokens - narrow * len(longs)
+        quotas, left = {}, max_tokens
         for seq, rest in rests:
-            if 0 < rest <= max_tokens and rest <= left:
+            if 0 < rest <= left:
                 quotas[id(seq)] = rest
                 left -= rest
-        if longs:
-            share = max((max(left, 0) + narrow * len(longs)) // len(longs), narrow)
-            quotas.update((id(seq), share) for seq in longs)
+            elif rest > max_tokens:  # the oldest long prompt: what is left, then no more
+                if left >= narrow or not quotas:
+                    quotas[id(seq)] = max(left, narrow)
+                break
         return quotas
 
     def _prefill_rows(self, seqs: list[Sequence], quotas: dict[int, float]) -> int:
@@ -115,21 +116,24 @@ class Prefill:
             need = {i: min(rest[i], left_q[i]) for i in todo}
             # the chunk widths with graphs: a row that ends its prompt pads up to one; a row
             # cut short takes whole chunks (the widest within its quota: no padded waste)
-            fit = [need[i] if need[i] == rest[i] else self._floor_chunk(need[i]) for i in todo]
-            w = next(c for c in self.chunks if c >= min(max(fit), self.chunks[-1]))
-            b = next_bucket(len(todo), 1, PREFILL_ROWS)
-            longest = max(seqs[i].cache.length for i in todo) + w
-            take = {i: min(need[i], w) for i in todo}
-            if self.target.prefill_eager((False, b, w, self.target.ctx_bucket(longest))):
+            fit = {i: need[i] if need[i] == rest[i] else self._floor_chunk(need[i]) for i in todo}
+            width = {i: self._chunk(fit[i]) for i in todo}
+            w = max(width.values())
+            # rows whose own width is under half of it wait for a forward of their own (a
+            # short prompt would otherwise pay the long one's width in every matmul)
+            rows_in = [i for i in todo if 2 * width[i] >= w]
+            b = next_bucket(len(rows_in), 1, PREFILL_ROWS)
+            longest = max(seqs[i].cache.length for i in rows_in) + w
+            take = {i: min(need[i], w) for i in rows_in}
+            if self.target.prefill_eager((False, b, w, self.target.prefill_ctx(longest))):
                 # no graph: the rows there are and what they take exactly, nothing padded;
                 # up to PREFILL_WHOLE tokens in one forward (a long prompt to an idle engine)
                 cap = max(self.chunks[-1], PREFILL_WHOLE // len(todo))
                 take = {i: min(need[i], cap) for i in todo}
                 w = max(take.values())
-                # rows under half that width wait for a forward of their own (a short
-                # prompt would otherwise pay the long one's width in every matmul)
-                todo = [i for i in todo if 2 * take[i] >= w]
-                w, b = max(w, 2), len(todo)  # (a width of 1 would be a shape of its own)
+                rows_in = [i for i in todo if 2 * take[i] >= w]
+                w, b = max(w, 2), len(rows_in)  # (a width of 1 would be a shape of its own)
+            todo = rows_in
             toks = np.zeros((b, w), dtype=np.int64)
             pos = np.tile(np.arange(ml - w, ml), (b, 1))  # rows that only fill the shape
             lens, rows = np.zeros(b, dtype=np.int64), np.zeros(b, dtype=np.int64)
@@ -145,7 +149,7 @@ class Prefill:
                 takes.append((r, i, n))
                 longest = max(longest, at + w)
             packed = pack_target(toks, pos, pos, lens, rows)  # causal: no tree
-            _, _, taps = self.target.forward(packed, b, w, self.target.ctx_bucket(longest), False)
+            _, _, taps = self.target.forward(packed, b, w, self.target.prefill_ctx(longest), False)
             for r, i, n in takes:
                 if taps is not None:
                     seqs[i].hidden_new.append(taps[r * w : r * w + n].clone())
@@ -158,6 +162,10 @@ class Prefill:
         for seq in seqs:
             seq.stats.prefill_s += elapsed
         return spent
+
+    def _chunk(self, n: int) -> int:
+        """The narrowest chunk of at least n tokens (the widest if none)."""
+        return next((c for c in self.chunks if c >= n), self.chunks[-1])
 
     def _floor_chunk(self, n: int) -> int:
         """The widest chunk of at most n tokens (the narrowest if none)."""
@@ -189,9 +197,12 @@ class Prefill:
                         zeros, zeros, guard, np.zeros(b, np.int64), np.arange(b), tree
                     )
                     self.target.forward(packed, b, w, ctx, True)
+        # every prompt chunk shape: with triton one context class serves all contexts
+        # (StaticTarget.prefill_ctx), with sdpa the short ones (longer chunks run eagerly)
+        prefill_ctxs = sorted({self.target.prefill_ctx(c) for c in contexts})
         for b in bucket_sizes(PREFILL_ROWS):
             for w in self.chunks:
-                for ctx in ctxs:
+                for ctx in prefill_ctxs:
                     if ctx >= w:
                         guard = np.tile(np.arange(ml - w, ml), (b, 1))
                         zeros = np.zeros(b, np.int64)

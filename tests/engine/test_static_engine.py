@@ -267,9 +267,10 @@ def test_batched_prefill_of_long_and_short_prompts(tiny, chunk):
 def test_a_prefill_budget_bounds_the_whole_call(tiny, shapes):
     """A budgeted prefill spends at most the budget, over all the rows of a forward.
     Shapes with graphs ("captured": chunks of 16/64/256 here): one prompt and 100 tokens ->
-    64 + 16 + 16 (a remainder below the narrowest chunk starts no forward); three prompts and
-    100 -> rows of 16, twice. Without graphs ("exact", as on CPU or for a shape not captured on
-    a GPU): one forward of exactly the budget, or of each row's share of it."""
+    64 + 16 + 16 (a remainder below the narrowest chunk starts no forward). Without graphs
+    ("exact", as on CPU or for a shape not captured on a GPU): one forward of exactly the
+    budget. Three long prompts: first come first, the oldest takes the whole budget and the
+    others wait for it (a budget shared among them made every one of them finish last)."""
     gen = torch.Generator().manual_seed(5)
     eng = StaticEngine(tiny, NoDrafter(), 6, (), slots=4, max_context=512, graphs=False)
     if shapes == "captured":  # as if every chunk shape had a graph: padded to them
@@ -278,9 +279,15 @@ def test_a_prefill_budget_bounds_the_whole_call(tiny, shapes):
     seqs = [eng.new_sequence(p, SamplingParams(max_tokens=4)) for p in long]
     eng.prefill_batch(seqs[:1], max_tokens=100)
     assert seqs[0].cache.length == (96 if shapes == "captured" else 100)
-    eng.prefill_batch(seqs[1:], max_tokens=100)
-    want = 32 if shapes == "captured" else 33  # 100 // 3 each; 1 left starts no forward
-    assert [s.cache.length for s in seqs[1:]] == [want] * 3
+    calls = 0
+    while not all(eng.prefilled(s) for s in seqs[1:]):
+        assert eng.prefill_batch(seqs[1:], max_tokens=100) <= 100
+        calls += 1
+        lengths = [s.cache.length for s in seqs[1:]]
+        # first come first: those before the one going in are in, those after untouched
+        at = next((i for i, n in enumerate(lengths) if n < 299), 3)
+        assert lengths[:at] == [299] * at and lengths[at + 1 :] == [0] * len(lengths[at + 1 :])
+    assert calls <= -(-3 * 299 // (96 if shapes == "captured" else 100)) + 1  # budgets used
     before = sum(s.cache.length for s in seqs)
     eng.prefill_batch(seqs, max_tokens=200)
     assert 0 < sum(s.cache.length for s in seqs) - before <= 200
@@ -300,8 +307,8 @@ def test_a_budget_admits_short_prompts_whole_and_first_come_first(tiny, shapes):
     """A budgeted call (the runner's while others decode) takes short prompts whole, in
     order, as many as fit: a burst of 40-token prompts with a budget of 100 goes in two per
     call, none cut into narrow chunks (each answer's first token one round after its
-    prompt). A prompt longer than the whole budget shares what the short ones leave, at least
-    the narrowest chunk: it moves every call and does not hold up short prompts behind it."""
+    prompt). A prompt longer than the whole budget takes what older ones leave, at least the
+    narrowest chunk, and younger ones wait for it: first come first."""
     gen = torch.Generator().manual_seed(8)
     eng = StaticEngine(tiny, NoDrafter(), 6, (), slots=8, max_context=512, graphs=False)
     if shapes == "captured":
@@ -316,35 +323,43 @@ def test_a_budget_admits_short_prompts_whole_and_first_come_first(tiny, shapes):
     assert admitted == [2, 4, 5]
     for s in seqs:
         eng.release(s)
+    want = 96 if shapes == "captured" else 100  # whole chunks (64 + 16 + 16), or exactly 100
     long = eng.new_sequence(torch.randint(3, 500, (301,), generator=gen).tolist(), SamplingParams())
     shorts = [eng.new_sequence(p, SamplingParams(max_tokens=2)) for p in burst[:2]]
-    eng.prefill_batch([long, *shorts], max_tokens=100)
+    # a long prompt ahead of short ones takes the whole budget; they wait for it
+    assert eng.prefill_batch([long, *shorts], max_tokens=100) == want == long.cache.length
+    assert [s.cache.length for s in shorts] == [0, 0]
+    # short ones ahead of it go in whole and it takes what they leave (20: a 16-wide chunk)
+    spent = eng.prefill_batch([*shorts, long], max_tokens=100)
     assert all(eng.prefilled(s) for s in shorts)
-    assert long.cache.length == 20  # the 20 left (a narrowest chunk was kept for it)
-    # whole chunks when alone (64 + 16 + 16; the 4 left start no forward), or exactly 100
-    spent = eng.prefill_batch([long, *shorts], max_tokens=100)  # the shorts are in
-    assert spent == long.cache.length - 20 == (96 if shapes == "captured" else 100)
+    assert spent - 80 == long.cache.length - want == (16 if shapes == "captured" else 20)
     for s in [long, *shorts]:
         eng.release(s)
-    # short prompts arriving all the time never hold a long one back: it keeps a chunk
+    # younger short prompts arriving all the time never hold a long one back
     long = eng.new_sequence(torch.randint(3, 500, (301,), generator=gen).tolist(), SamplingParams())
     moved = []
-    for _ in range(4):
+    for _ in range(3):
         shorts = [eng.new_sequence(p, SamplingParams(max_tokens=2)) for p in burst[:3]]
         before = long.cache.length
         assert eng.prefill_batch([long, *shorts], max_tokens=100) <= 100
         moved.append(long.cache.length - before)
+        assert not any(s.cache.length for s in shorts)
         for s in shorts:
             eng.release(s)
-    assert min(moved) >= 16, moved
-    # no budget: nothing; many long prompts: no more than the budget (16 each for 6 of them)
+    assert moved == [want] * 3
+    eng.release(long)
+    # a budget under the narrowest chunk still moves the oldest long prompt by one
+    long = eng.new_sequence(torch.randint(3, 500, (301,), generator=gen).tolist(), SamplingParams())
+    assert eng.prefill_batch([long], max_tokens=5) == 16
+    eng.release(long)
+    # no budget: nothing; many long prompts: the oldest alone, within the budget
     many = [
         eng.new_sequence(torch.randint(3, 500, (200,), generator=gen).tolist(), SamplingParams())
         for _ in range(7)
     ]
     assert eng.prefill_batch(many, max_tokens=0) == 0
-    assert eng.prefill_batch(many, max_tokens=100) <= 100
-    assert sum(s.cache.length > 0 for s in many) == 6
+    assert eng.prefill_batch(many, max_tokens=100) == want
+    assert [s.cache.length for s in many] == [want] + [0] * 6
 
 
 def test_spec_max_batch_switches_crowded_rounds_to_plain_decoding():
