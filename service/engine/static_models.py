@@ -93,20 +93,25 @@ class StaticTarget:
         self.staging = Staging()
 
     def ctx_bucket(self, longest: int) -> int:
-        """Keys attended per row: a power of two >= the longest committed + new entries
-        (sdpa reads that padded range). The triton kernel reads each row's own length; for it
-        the class only bounds the key splits, so it starts at 512: fewer graphs."""
-        lo = 512 if self.attention == "triton" else 128
-        return next_bucket(longest, lo, self.pool.max_len)
+        """Keys attended per row, as the class of a forward's shape (a graph per class).
+        sdpa reads that padded range: a power of two >= the longest committed + new entries.
+        The triton kernel reads each row's own keys; for it the class only bounds the key
+        splits, and there are two: up to 512 keys (one split) and the pool's length (splits
+        by the shape), so the warm-up captures every graph a forward can need (`classes`).
+        With a class per power of two, the first forward past each one was captured, and
+        compiled, while serving: ~2 s that every stream waited on the H200, and prompt
+        chunks beyond 512 keys ran without graphs, ~25-60 ms of launches each whatever their
+        width (bench/NOTES.md)."""
+        ml = self.pool.max_len
+        if self.attention == "triton":
+            return min(512, ml) if longest <= 512 else ml
+        return next_bucket(longest, 128, ml)
 
-    def prefill_ctx(self, longest: int) -> int:
-        """The context class of a prompt chunk's shape. With triton, one class, the pool's:
-        the kernel reads each row's own keys (the class only bounds the key splits), so one
-        graph per (rows, width) serves every context and the warm-up captures them all (on
-        the H200 a chunk outside a graph paid ~25 ms of launches whatever its width, and 16
-        prompts of 2,900 tokens joining a running batch waited 8.8 s: bench/NOTES.md). sdpa
-        reads the padded key range: the smallest class that holds it."""
-        return self.ctx_bucket(self.pool.max_len if self.attention == "triton" else longest)
+    def classes(self, contexts) -> list[int]:
+        """The context classes the warm-up captures: triton's two, or sdpa's of `contexts`."""
+        if self.attention == "triton":
+            contexts = (1, self.pool.max_len)
+        return sorted({self.ctx_bucket(c) for c in contexts})
 
     @torch.inference_mode()
     def forward(

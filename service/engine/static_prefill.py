@@ -125,7 +125,7 @@ class Prefill:
             b = next_bucket(len(rows_in), 1, PREFILL_ROWS)
             longest = max(seqs[i].cache.length for i in rows_in) + w
             take = {i: min(need[i], w) for i in rows_in}
-            if self.target.prefill_eager((False, b, w, self.target.prefill_ctx(longest))):
+            if self.target.prefill_eager((False, b, w, self.target.ctx_bucket(longest))):
                 # no graph: the rows there are and what they take exactly, nothing padded;
                 # up to PREFILL_WHOLE tokens in one forward (a long prompt to an idle engine)
                 cap = max(self.chunks[-1], PREFILL_WHOLE // len(todo))
@@ -149,7 +149,7 @@ class Prefill:
                 takes.append((r, i, n))
                 longest = max(longest, at + w)
             packed = pack_target(toks, pos, pos, lens, rows)  # causal: no tree
-            _, _, taps = self.target.forward(packed, b, w, self.target.prefill_ctx(longest), False)
+            _, _, taps = self.target.forward(packed, b, w, self.target.ctx_bucket(longest), False)
             for r, i, n in takes:
                 if taps is not None:
                     seqs[i].hidden_new.append(taps[r * w : r * w + n].clone())
@@ -174,16 +174,17 @@ class Prefill:
     @torch.inference_mode()
     def warm_up(self, params: LiveParams, contexts=(128, 256, 512), budgets=None) -> float:
         """Capture the graphs the current parameters use (every batch bucket, AR and tree
-        widths, short contexts, the prefill chunks) with inputs that touch only guard
-        entries; `budgets`: every budget rounds may use (adaptive speculation), by default
-        the live one. Longer contexts and other widths of verify and draft forwards are
-        captured on first use; prompt chunks of other shapes then run without graphs."""
+        widths, the prefill chunks; every context class with triton, the classes of
+        `contexts` with sdpa) with inputs that touch only guard entries; `budgets`: every
+        budget rounds may use (adaptive speculation), by default the live one. Other widths
+        of verify and draft forwards (and with sdpa longer contexts) are captured on first
+        use; prompt chunks of other shapes then run without graphs."""
         if not self.target.graphs.enabled:
             return 0.0
         t0 = time.perf_counter()
         ml = self.pool.max_len
         budgets = sorted(set(budgets or [params.budget]))
-        ctxs = sorted({self.target.ctx_bucket(c) for c in contexts})
+        ctxs = self.target.classes(contexts)
         widths = sorted({2} | {self.tree_width(b, params.topk)[0] for b in budgets})
         for b in bucket_sizes(self.pool.slots):
             for w in widths:
@@ -197,12 +198,11 @@ class Prefill:
                         zeros, zeros, guard, np.zeros(b, np.int64), np.arange(b), tree
                     )
                     self.target.forward(packed, b, w, ctx, True)
-        # every prompt chunk shape: with triton one context class serves all contexts
-        # (StaticTarget.prefill_ctx), with sdpa the short ones (longer chunks run eagerly)
-        prefill_ctxs = sorted({self.target.prefill_ctx(c) for c in contexts})
+        # every prompt chunk shape (with sdpa, of the short classes: longer chunks run
+        # without graphs)
         for b in bucket_sizes(PREFILL_ROWS):
             for w in self.chunks:
-                for ctx in prefill_ctxs:
+                for ctx in ctxs:
                     if ctx >= w:
                         guard = np.tile(np.arange(ml - w, ml), (b, 1))
                         zeros = np.zeros(b, np.int64)

@@ -615,6 +615,46 @@ def test_which_prompt_chunks_run_without_a_graph(tiny):
 
 
 @pytest.mark.parametrize("drafter", ["none", "dflash"])
+def test_the_warm_up_captures_every_graph_serving_can_need(tiny, monkeypatch, drafter):
+    """With triton the context classes are two, up to 512 keys and the pool's length (the
+    class only bounds the kernel's key splits): every context falls in one, and the warm-up
+    captures each batch bucket x verify width x class, each draft shape x class, and each
+    prompt chunk x rows x class that holds it, so no forward while serving captures (and
+    compiles) a graph while the running requests wait. With sdpa (it reads the padded range)
+    the classes are powers of two, those of the warm-up's contexts captured."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # the engine's choice only: nothing runs
+    make = {"none": NoDrafter, "dflash": lambda: DFlashDrafter(random_dflash(tiny), tiny)}
+    eng = StaticEngine(
+        tiny, make[drafter](), 6, (), slots=8, max_context=4096, graphs=False,
+        attention="triton", device_tree=False,
+    )  # fmt: skip
+    t, ml = eng.target, eng.target.pool.max_len
+    assert t.classes((128, 256, 512)) == [512, ml]
+    assert {t.ctx_bucket(n) for n in range(1, ml + 1)} == {512, ml}
+    keys = set()
+    t.graphs.enabled = True  # record the shapes, capture nothing (no GPU here)
+    t.forward = lambda packed, b, w, ctx, slots, trees=None: keys.add((slots, b, w, ctx))
+    if eng.sdraft is not None:
+        eng.sdraft.forward = lambda packed, key: keys.add(("draft", *key))
+        eng.sdraft.write_only = lambda cwpos: None
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    params = LiveParams(budget=6, topk=2)
+    eng.warm_up(params)
+    width = eng.tree_width(6, 2)[0]
+    for ctx in (512, ml):
+        for b in (1, 2, 4, 8):
+            assert {(True, b, 2, ctx), (True, b, width, ctx)} <= keys
+            if eng.sdraft is not None:
+                assert any(k[:2] == ("draft", b) and k[3] == ctx for k in keys)
+            for w in eng.chunks:
+                assert ((False, b, w, ctx) in keys) == (w <= ctx)
+    assert {k[3] for k in keys} == {512, ml}  # (slots, b, w, ctx) / ("draft", b, depth, ctx, ...)
+    sdpa = StaticEngine(tiny, NoDrafter(), 6, (), slots=8, max_context=4096, graphs=False)
+    assert sdpa.target.classes((128, 256, 512)) == [128, 256, 512]
+    assert sdpa.target.ctx_bucket(513) == 1024
+
+
+@pytest.mark.parametrize("drafter", ["none", "dflash"])
 def test_an_idle_engine_prefills_a_long_prompt_in_one_forward(tiny, drafter):
     """Without graphs and with nothing decoding, a prompt longer than the widest chunk goes in
     one forward (two prompts: one forward of both rows), and decodes exactly as one prefilled
