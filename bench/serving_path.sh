@@ -38,7 +38,7 @@ bench_levels() {  # URL OUTDIR: one `ddserve bench` per level, max(REQ, 2C) requ
             --max-tokens "$tokens" --prompts "$prompts" --no-progress | grep -E "^ +$c "
         # the server's own histograms after the level (cumulative: TTFT seen by the API
         # process next to the client's), where the URL serves them
-        curl -s -m 5 "$1/metrics" >"$2-C$c.prom" 2>/dev/null || rm -f "$2-C$c.prom"
+        curl -sf -m 5 "$1/metrics" >"$2-C$c.prom" 2>/dev/null || rm -f "$2-C$c.prom"
     done
 }
 

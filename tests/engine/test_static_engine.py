@@ -267,7 +267,8 @@ def test_batched_prefill_of_long_and_short_prompts(tiny, chunk):
 def test_a_prefill_budget_bounds_the_whole_call(tiny, shapes):
     """A budgeted prefill spends at most the budget, over all the rows of a forward.
     Shapes with graphs ("captured": chunks of 16/64/256 here): one prompt and 100 tokens ->
-    64 + 16 + 16 (a remainder below the narrowest chunk starts no forward). Without graphs
+    one forward of 64 (the widest chunk within it; a forward costs about the same whatever
+    its width, so no 16 + 16 after it), 300 -> 256. Without graphs
     ("exact", as on CPU or for a shape not captured on a GPU): one forward of exactly the
     budget. Three long prompts: first come first, the oldest takes the whole budget and the
     others wait for it (a budget shared among them made every one of them finish last)."""
@@ -276,9 +277,12 @@ def test_a_prefill_budget_bounds_the_whole_call(tiny, shapes):
     if shapes == "captured":  # as if every chunk shape had a graph: padded to them
         eng.target.prefill_eager = lambda key: False
     long = [torch.randint(3, 500, (300,), generator=gen).tolist() for _ in range(4)]
+    extra = eng.new_sequence(long[0] + long[1][:150], SamplingParams(max_tokens=4))
+    assert eng.prefill_batch([extra], max_tokens=300) == (256 if shapes == "captured" else 300)
+    eng.release(extra)
     seqs = [eng.new_sequence(p, SamplingParams(max_tokens=4)) for p in long]
     eng.prefill_batch(seqs[:1], max_tokens=100)
-    assert seqs[0].cache.length == (96 if shapes == "captured" else 100)
+    assert seqs[0].cache.length == (64 if shapes == "captured" else 100)
     calls = 0
     while not all(eng.prefilled(s) for s in seqs[1:]):
         assert eng.prefill_batch(seqs[1:], max_tokens=100) <= 100
@@ -287,7 +291,7 @@ def test_a_prefill_budget_bounds_the_whole_call(tiny, shapes):
         # first come first: those before the one going in are in, those after untouched
         at = next((i for i, n in enumerate(lengths) if n < 299), 3)
         assert lengths[:at] == [299] * at and lengths[at + 1 :] == [0] * len(lengths[at + 1 :])
-    assert calls <= -(-3 * 299 // (96 if shapes == "captured" else 100)) + 1  # budgets used
+    assert calls <= -(-3 * 299 // (64 if shapes == "captured" else 100)) + 1  # budgets used
     before = sum(s.cache.length for s in seqs)
     eng.prefill_batch(seqs, max_tokens=200)
     assert 0 < sum(s.cache.length for s in seqs) - before <= 200
@@ -323,7 +327,7 @@ def test_a_budget_admits_short_prompts_whole_and_first_come_first(tiny, shapes):
     assert admitted == [2, 4, 5]
     for s in seqs:
         eng.release(s)
-    want = 96 if shapes == "captured" else 100  # whole chunks (64 + 16 + 16), or exactly 100
+    want = 64 if shapes == "captured" else 100  # the widest chunk within it, or exactly 100
     long = eng.new_sequence(torch.randint(3, 500, (301,), generator=gen).tolist(), SamplingParams())
     shorts = [eng.new_sequence(p, SamplingParams(max_tokens=2)) for p in burst[:2]]
     # a long prompt ahead of short ones takes the whole budget; they wait for it
