@@ -15,9 +15,10 @@ Two implementations of that one rule:
   * `triton`  one kernel (flash attention with the GQA group folded into the query rows, so
               each key is read once per kv head) that reads only the keys a row has: the loop
               over keys stops at each row's own length, read from the device, so a CUDA graph
-              serves every length up to its context class (a power of two >= 512, which only
-              sets how many ways the keys may be split). Split over the keys ("flash
-              decoding") when the class is long and B x kv heads alone cannot fill the GPU,
+              serves every length up to its context class (two: up to 512 keys, and the
+              pool's length; the class only sets how many ways the keys may be split). Split
+              over the keys ("flash decoding") when the class is long and B x kv heads alone
+              cannot fill the GPU,
               with a second small kernel merging the splits. Registered as the torch op `ddserve::tree_attention` so
               torch.compile treats it as one opaque call.
 

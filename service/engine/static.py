@@ -11,8 +11,9 @@ that CUDA graphs can capture.
                  and attention over each row's slot (ddserve.engine.attention: the sdpa
                  reference over [0, ctx), or the triton kernel over each row's own length);
                  shapes depend only on (B, W, ctx), so a captured graph replays it for any
-                 content (with triton, ctx is a context class >= 512 that only bounds the
-                 key splits: one graph per (B, W) serves every length within it).
+                 content (with triton, ctx is one of two context classes, 512 or the pool's
+                 length, that only bound the key splits: one graph per (B, W) and class
+                 serves every length within it).
     GraphCache   captures one CUDA graph per shape key on first use (or at warm-up) and
                  replays it; every graph shares one memory pool and one input buffer.
 

@@ -137,7 +137,10 @@ class Prefill:
                 w, b = max(w, 2), len(rows_in)  # (a width of 1 would be a shape of its own)
             todo = rows_in
             toks = np.zeros((b, w), dtype=np.int64)
-            pos = np.tile(np.arange(ml - w, ml), (b, 1))  # rows that only fill the shape
+            # rows that only fill the shape (slot 0) write into the guard entries only: a chunk
+            # wider than the guard would reach slot 0's real ones (entries clamped to the
+            # guard's first take several writes of garbage; nothing reads them)
+            pos = np.tile(np.maximum(np.arange(ml - w, ml), ml - self.pool.guard), (b, 1))
             lens, rows = np.zeros(b, dtype=np.int64), np.zeros(b, dtype=np.int64)
             takes, longest = [], 0
             for r, i in enumerate(todo):
@@ -162,7 +165,7 @@ class Prefill:
                 # it, then stops, unless the rest still holds a widest chunk: a forward under
                 # a graph costs about a decode step whatever its width (~1.1 ms on the H200),
                 # so 64 + 16 + 16 cost three where 64 cost one
-                if n < rest[i] and left_q[i] < self.chunks[-1]:
+                if need[i] < rest[i] and left_q[i] < self.chunks[-1]:
                     left_q[i] = 0
         if self.model.device.type == "cuda":  # the work done, not its launch (stats, pacing)
             torch.cuda.synchronize()

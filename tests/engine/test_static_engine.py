@@ -618,6 +618,59 @@ def test_which_prompt_chunks_run_without_a_graph(tiny):
     assert eng.prefilled(seq)
 
 
+def test_rows_that_only_fill_a_wide_chunk_write_no_real_entry(tiny):
+    """A prompt-chunk forward under a graph pads its rows to a power of two with rows that
+    write into slot 0's guard entries only: with chunks wider than the guard (1,024 with
+    triton, here on sdpa with its widths), three prompts joining pad to four rows, and the
+    request in slot 0, near the end of its context, keeps its keys and its answer."""
+    gen = torch.Generator().manual_seed(1)
+    victim = torch.randint(3, 500, (1500,), generator=gen).tolist()
+    others = [torch.randint(3, 500, (1101,), generator=gen).tolist() for _ in range(3)]
+    outs = []
+    for interfere in (False, True):
+        eng = StaticEngine(tiny, NoDrafter(), 6, (), slots=4, max_context=1536, graphs=False)
+        eng.chunks = (16, 64, 256, 512, 1024)  # as with triton (the pool is 2,048 long here)
+        eng.target.prefill_eager = lambda key: False  # as after a warm-up: shapes captured
+        seq = eng.new_sequence(victim, SamplingParams(max_tokens=8))
+        assert seq.cache.slot == 0
+        eng.prefill(seq)
+        keys = eng.pool.k[0][0].clone()
+        if interfere:
+            shapes, forward = [], eng.target.forward
+            eng.target.forward = lambda p, b, w, c, r, t=None, f=forward, log=shapes: (
+                log.append((b, w)) or f(p, b, w, c, r, t)
+            )
+            new = [eng.new_sequence(p, SamplingParams(max_tokens=1)) for p in others]
+            eng.prefill_batch(new)
+            assert (4, 1024) in shapes  # three rows padded to four, wider than the guard
+            usable = eng.pool.max_len - eng.pool.guard
+            assert torch.equal(eng.pool.k[0][0][:, :usable], keys[:, :usable])
+            eng.target.forward = forward
+        while not seq.finished:
+            eng.step(seq, LiveParams(budget=0))
+        outs.append(seq.output)
+    assert outs[0] == outs[1]
+
+
+def test_a_prompt_that_fits_its_budget_goes_in_whole_past_the_widest_chunk(tiny):
+    """Under graphs a prompt cut short by its budget takes the widest chunk within it once;
+    one whose rest fits the budget is not cut: 3,000 tokens under a budget of 4,000 go in
+    (2,048 + 1,024 wide forwards), and so does a 2,500-token one with a short one behind."""
+    gen = torch.Generator().manual_seed(0)
+    eng = StaticEngine(tiny, NoDrafter(), 6, (), slots=4, max_context=4096, graphs=False)
+    eng.chunks = (16, 64, 256, 512, 1024, 2048)
+    eng.target.prefill_eager = lambda key: False
+    one = eng.new_sequence(torch.randint(3, 500, (3001,), generator=gen).tolist(), SamplingParams())
+    assert eng.prefill_batch([one], max_tokens=4000) == 3000 and eng.prefilled(one)
+    eng.release(one)
+    two = [
+        eng.new_sequence(torch.randint(3, 500, (n + 1,), generator=gen).tolist(), SamplingParams())
+        for n in (2500, 30)
+    ]
+    assert eng.prefill_batch(two, max_tokens=4000) == 2530
+    assert all(eng.prefilled(s) for s in two)
+
+
 @pytest.mark.parametrize("drafter", ["none", "dflash"])
 def test_the_warm_up_captures_every_graph_serving_can_need(tiny, monkeypatch, drafter):
     """With triton the context classes are two, up to 512 keys and the pool's length (the
