@@ -188,15 +188,19 @@ class Prefill:
         widths, the prefill chunks; every context class with triton, the classes of
         `contexts` with sdpa) with inputs that touch only guard entries; `budgets`: every
         budget rounds may use (adaptive speculation), by default the live one. Other widths
-        of verify and draft forwards (and with sdpa longer contexts) are captured on first
-        use; prompt chunks of other shapes then run without graphs."""
+        of verify and draft forwards (those of budgets set live, and with sdpa longer
+        contexts) are captured on first use; prompt chunks of other shapes then run without
+        graphs."""
         if not self.target.graphs.enabled:
             return 0.0
         t0 = time.perf_counter()
         ml = self.pool.max_len
         budgets = sorted(set(budgets or [params.budget]))
         ctxs = self.target.classes(contexts)
-        widths = sorted({2} | {self.tree_width(b, params.topk)[0] for b in budgets})
+        widths = {2} | {self.tree_width(b, params.topk)[0] for b in budgets}
+        if not self.device_tree:  # trees built on the host: any power of two up to the bound
+            widths |= set(bucket_sizes(max(widths))) - {1}
+        widths = sorted(widths)
         for b in bucket_sizes(self.pool.slots):
             for w in widths:
                 for ctx in ctxs:

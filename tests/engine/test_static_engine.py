@@ -671,16 +671,21 @@ def test_a_prompt_that_fits_its_budget_goes_in_whole_past_the_widest_chunk(tiny)
     assert all(eng.prefilled(s) for s in two)
 
 
-@pytest.mark.parametrize("drafter", ["none", "dflash"])
+@pytest.mark.parametrize("drafter", ["none", "ngram", "dflash"])
 def test_the_warm_up_captures_every_graph_serving_can_need(tiny, monkeypatch, drafter):
     """With triton the context classes are two, up to 512 keys and the pool's length (the
     class only bounds the kernel's key splits): every context falls in one, and the warm-up
     captures each batch bucket x verify width x class, each draft shape x class, and each
     prompt chunk x rows x class that holds it, so no forward while serving captures (and
-    compiles) a graph while the running requests wait. With sdpa (it reads the padded range)
-    the classes are powers of two, those of the warm-up's contexts captured."""
+    compiles) a graph while the running requests wait; trees built on the host (n-gram)
+    vary in size: every power-of-two width up to their bound. With sdpa (it reads the padded
+    range) the classes are powers of two, those of the warm-up's contexts captured."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # the engine's choice only: nothing runs
-    make = {"none": NoDrafter, "dflash": lambda: DFlashDrafter(random_dflash(tiny), tiny)}
+    make = {
+        "none": NoDrafter,
+        "ngram": lambda: NGramDrafter(512),
+        "dflash": lambda: DFlashDrafter(random_dflash(tiny), tiny),
+    }
     eng = StaticEngine(
         tiny, make[drafter](), 6, (), slots=8, max_context=4096, graphs=False,
         attention="triton", device_tree=False,
@@ -698,9 +703,11 @@ def test_the_warm_up_captures_every_graph_serving_can_need(tiny, monkeypatch, dr
     params = LiveParams(budget=6, topk=2)
     eng.warm_up(params)
     width = eng.tree_width(6, 2)[0]
+    widths = {2, width} | ({4} if drafter == "ngram" else set())
+    assert width == 8
     for ctx in (512, ml):
         for b in (1, 2, 4, 8):
-            assert {(True, b, 2, ctx), (True, b, width, ctx)} <= keys
+            assert {(True, b, w, ctx) for w in widths} <= keys
             if eng.sdraft is not None:
                 assert any(k[:2] == ("draft", b) and k[3] == ctx for k in keys)
             for w in eng.chunks:
