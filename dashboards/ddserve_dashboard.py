@@ -129,6 +129,16 @@ PANELS: list[Panel] = [
     ),
     Panel(
         SPEED,
+        "Time to first token p50: the engine's queue and prefill phases",
+        "s",
+        [
+            ("server TTFT", _q("ddserve:time_to_first_token_seconds", 0.5)),
+            ("queue", _q("ddserve:request_queue_time_seconds", 0.5)),
+            ("prefill", _q("ddserve:request_prefill_time_seconds", 0.5)),
+        ],
+    ),
+    Panel(
+        SPEED,
         "Inter-token latency p50 / p99",
         "s",
         [

@@ -37,7 +37,12 @@ log = logging.getLogger(__name__)
 access_log = logging.getLogger("ddserve.access")
 
 PREFIX = "ddserve"
-LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.08, 0.15, 0.3, 0.6, 1.2, 2.5, 5, 10, 20, 40, 80)
+# fine where serving latencies live (a few ms to a few hundred: vLLM's TTFT buckets start at
+# 1 ms), coarse beyond
+LATENCY_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2,
+    0.3, 0.6, 1.2, 2.5, 5, 10, 20, 40, 80,
+)  # fmt: skip
 # Ray's exporter rebuilds a histogram's _sum from bucket midpoints, so acceptance-length
 # buckets are centred on the integers: every length up to 16 keeps an exact mean.
 ACCEPT_BUCKETS = tuple(k + 0.5 for k in range(17)) + (24.5, 32.5, 64.5)
@@ -78,6 +83,10 @@ METRICS = {
         Metric("time_to_first_token_seconds", "histogram", "Request arrival to its first generated token.", buckets=LATENCY_BUCKETS),
         Metric("inter_token_latency_seconds", "histogram", "Time between generated tokens: one sample per streamed chunk (its gap over the tokens it carries), as vLLM samples once per output iteration.", buckets=LATENCY_BUCKETS),
         Metric("e2e_request_latency_seconds", "histogram", "Request arrival to its last token.", buckets=LATENCY_BUCKETS),
+        Metric("request_queue_time_seconds", "histogram", "The engine's receipt of a request to its prompt's first prefill forward (vLLM's queue phase; builtin engine).", buckets=LATENCY_BUCKETS),
+        Metric("request_prefill_time_seconds", "histogram", "First prefill forward to the first token (vLLM's prefill phase; builtin engine).", buckets=LATENCY_BUCKETS),
+        Metric("request_decode_time_seconds", "histogram", "First token to the last, in the engine (vLLM's decode phase; builtin engine).", buckets=LATENCY_BUCKETS),
+        Metric("request_inference_time_seconds", "histogram", "First prefill forward to the last token (prefill + decode; builtin engine).", buckets=LATENCY_BUCKETS),
         Metric("prompt_tokens", "counter", "Prompt tokens of finished requests."),
         Metric("generation_tokens", "counter", "Generated (completion) tokens."),
         Metric("requests", "counter", "Finished requests by status (ok, client_error, error, cancelled).", ("status",)),
@@ -280,6 +289,11 @@ class MeteredBackend:
         t["prompt_tokens"] += prompt_len
         if st is None:
             return
+        if st.finish_s > 0:  # the engine's phases (builtin engine; SGLang reports none)
+            ex.observe("request_queue_time_seconds", st.queue_s)
+            ex.observe("request_prefill_time_seconds", st.first_token_s - st.queue_s)
+            ex.observe("request_decode_time_seconds", st.finish_s - st.first_token_s)
+            ex.observe("request_inference_time_seconds", st.finish_s - st.queue_s)
         ex.inc("generation_tokens", st.completion_tokens)
         ex.inc("verify_rounds", st.verify_rounds)
         t["generation_tokens"] += st.completion_tokens

@@ -65,6 +65,7 @@ class EngineRequest:
 
     def __init__(self, prompt: list[int], sampling: SamplingParams):
         self.prompt, self.sampling = prompt, sampling
+        self.t0 = time.perf_counter()  # received (request phase times: RequestStats)
         self.seq: Sequence | None = None  # made by the worker thread
         self.failed = False
         self.cancelled = False
@@ -352,6 +353,7 @@ class EngineRunner:
                 except Exception as exc:
                     self._fail(req, exc)
                     continue
+                req.seq.stats.queue_s = time.perf_counter() - req.t0
             joining.append(req)
         if joining:  # the new requests' prompts in one batch; one by one if that fails
             # while others decode, a bounded chunk per round (chunked prefill); alone, all of it
@@ -413,7 +415,12 @@ class EngineRunner:
             if isinstance(new, Exception):
                 self._fail(req, new)
                 continue
-            seq = req.seq
+            seq, st = req.seq, req.seq.stats
+            if new and not st.first_token_s:
+                st.first_token_s = time.perf_counter() - req.t0
+            if seq.finished:
+                st.finish_s = time.perf_counter() - req.t0
+                st.first_token_s = st.first_token_s or st.finish_s  # none came out
             lp = None if seq.logprobs is None else seq.logprobs.slice(len(seq.logprobs) - len(new))
             req.deliver(
                 StepOutput(new, seq.finished, seq.finish_reason, fingerprint, seq.stats, lp)

@@ -281,6 +281,11 @@ class RequestStats:
     prefill_s: float = 0.0
     accept_lengths: list[int] = field(default_factory=list)  # committed tokens per round
     draft_tokens: int = 0  # tree nodes drafted (roots excluded), as the engine built them
+    # seconds from the engine's receipt of the request (0 = not reported, as by SGLang): to
+    # its prompt's first prefill forward, to its first token, to its last
+    queue_s: float = 0.0
+    first_token_s: float = 0.0
+    finish_s: float = 0.0
 
     @property
     def tau(self) -> float:

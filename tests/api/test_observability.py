@@ -89,6 +89,7 @@ def test_spec_decode_counters_follow_the_accept_lengths():
     assert value("requests_total", status="ok") == 1
     assert value("requests_total", status="client_error") == 1
     assert value("time_to_first_token_seconds_count") == 1
+    assert value("request_queue_time_seconds_count") is None  # phases: only where reported
     assert value("config_info", fingerprint="fp_1", engine="builtin", budget="3", topk="2",
                  window="2048", temperature="0.0", top_p="1.0", top_k="0") == 1  # fmt: skip
 
@@ -136,6 +137,23 @@ def test_metrics_stats_line_and_access_log_in_process(runner, caplog):
     assert "ddserve:prefill_chunk_tokens{" in text
     assert f'ddserve:num_requests_running{{model_name="{MODEL}"}} 0.0' in text
     assert "ddserve:spec_decode_num_draft_tokens_total" in text
+
+    def total(name):  # the one finished request's value (sum; count 1)
+        tag = f'{{model_name="{MODEL}"}}'
+        assert f"ddserve:{name}_count{tag} 1.0" in text, name
+        return float(text.split(f"ddserve:{name}_sum{tag} ")[1].split()[0])
+
+    # the engine's phases (vLLM's names) within what the server saw: queue + prefill up to
+    # the first token, then decode; the server's own TTFT and e2e hold them
+    queue, prefill = total("request_queue_time_seconds"), total("request_prefill_time_seconds")
+    decode, inference = (
+        total("request_decode_time_seconds"),
+        total("request_inference_time_seconds"),
+    )
+    assert queue >= 0 and prefill > 0 and decode > 0
+    assert abs(inference - (prefill + decode)) < 1e-6
+    assert queue + prefill <= total("time_to_first_token_seconds")
+    assert queue + inference <= total("e2e_request_latency_seconds")
     access = [rec.getMessage() for rec in caplog.records if rec.name == "ddserve.access"]
     assert any('"POST /v1/completions HTTP/1.1" 200' in a for a in access), access
     assert any('"POST /v1/completions HTTP/1.1" 400' in a for a in access), access
