@@ -64,6 +64,7 @@ class CoreProcess(ChildProcess):
         env = {k: v for k, v in os.environ.items() if k not in NOT_INHERITED}
         env |= self.env or {}
         env[ipc.CONFIG_ENV] = self.cfg.model_dump_json()
+        env[ipc.PARENT_ENV] = str(os.getpid())
         out = open(self.log_path, "ab") if self.log_path else None  # noqa: SIM115
         cmd = [sys.executable, "-m", "ddserve.engine.core", self.in_addr, self.out_addr]
         try:

@@ -34,6 +34,7 @@ from ddserve.errors import (
 )
 
 log = logging.getLogger("ddserve.engine.core")
+PARENT_CHECK_MS = 1000  # how often an idle core looks whether its parent still lives
 
 
 class _CoreRequest(EngineRequest):
@@ -93,8 +94,17 @@ class EngineCore:
             self.send([ipc.OUTPUTS, self.runner.fingerprint, entries, self.runner.load_gauges()])
 
     # -- main thread ---------------------------------------------------------------------
-    def serve(self, pull: zmq.Socket) -> None:
+    def serve(self, pull: zmq.Socket, parent: int | None = None) -> None:
+        """Handle the client's messages until SIGTERM, or until `parent` (the process that
+        started this one) is gone: the death signal asked for at spawn is a second line, and
+        a core left serving after its API process has gone holds its GPU for nothing (one
+        was found orphaned, idle in this loop, after a CI run)."""
         while True:
+            if parent is not None and not pull.poll(PARENT_CHECK_MS):
+                if os.getppid() != parent:
+                    log.warning("the process that started this engine core is gone: exiting")
+                    return
+                continue
             msg = ipc.unpack(pull.recv())
             kind = msg[0]
             if kind == ipc.ADD:
@@ -148,6 +158,10 @@ def main(argv: list[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
 
+    # watched while serving (EngineCore.serve): the process that spawned this one, as it
+    # says (it may be gone before this line runs), else whoever is the parent now
+    parent = int(os.environ.get(ipc.PARENT_ENV) or os.getppid())
+
     def stop(*_):
         raise SystemExit(0)
 
@@ -169,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
         core = EngineCore(runner, push)
         core.send([ipc.READY, core.info()])
         log.info("engine core ready in %.1fs (pid %d)", time.perf_counter() - t0, os.getpid())
-        core.serve(pull)
+        core.serve(pull, parent=parent)
     except (SystemExit, KeyboardInterrupt):
         return 0
     except BaseException as exc:

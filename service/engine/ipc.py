@@ -40,6 +40,8 @@ READY, FAILED, OUTPUTS, REPLY = 11, 12, 13, 14
 
 # the core's config travels in this variable (JSON of EngineConfig: never on argv)
 CONFIG_ENV = "DDSERVE_CORE_CONFIG"
+# and the pid of the process that started it (the core exits once that one is gone)
+PARENT_ENV = "DDSERVE_CORE_PARENT"
 
 
 def pack(msg: list) -> bytes:

@@ -155,3 +155,44 @@ def test_a_dying_core_fails_streams_within_a_second_and_stops_the_server(tmp_pat
         assert eng.proc.returncode != 0
     finally:
         eng.stop()
+
+
+def test_a_core_whose_parent_is_gone_exits(tmp_path):
+    """A core started by a process that then dies (here without the death signal asked for
+    at spawn, so only the core's own watch can notice) exits by itself once it is ready and
+    idle, instead of serving on, orphaned, holding its device."""
+    import subprocess
+
+    import zmq
+
+    from ddserve.engine import ipc
+
+    pidfile = tmp_path / "core.pid"
+    env = {**os.environ, ipc.CONFIG_ENV: CFG.model_dump_json(), "DDSERVE_THREADS": "1"}
+    starter = (
+        "import os, subprocess, sys\n"
+        f"os.environ[{ipc.PARENT_ENV!r}] = str(os.getpid())\n"
+        f"p = subprocess.Popen([sys.executable, '-m', 'ddserve.engine.core', "
+        f"'ipc://{tmp_path}/in', 'ipc://{tmp_path}/out'])\n"
+        f"open({str(pidfile)!r}, 'w').write(str(p.pid))\n"
+    )
+    subprocess.run([sys.executable, "-c", starter], env=env, check=True, timeout=60)
+    pid = int(pidfile.read_text())
+    ctx = zmq.Context()
+    pull = ctx.socket(zmq.PULL)
+    pull.connect(f"ipc://{tmp_path}/out")
+    try:
+        assert pull.poll(180_000), "the core never said it was ready"
+        assert ipc.unpack(pull.recv())[0] == ipc.READY
+        deadline = time.monotonic() + 20  # idle, it looks about once a second
+        while time.monotonic() < deadline:
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                return
+            time.sleep(0.2)
+        os.kill(pid, signal.SIGKILL)
+        pytest.fail("an orphaned engine core kept running")
+    finally:
+        pull.close(0)
+        ctx.term()
