@@ -353,7 +353,6 @@ class EngineRunner:
                 except Exception as exc:
                     self._fail(req, exc)
                     continue
-                req.seq.stats.queue_s = time.perf_counter() - req.t0
             joining.append(req)
         if joining:  # the new requests' prompts in one batch; one by one if that fails
             # while others decode, a bounded chunk per round (chunked prefill); alone, all of it
@@ -375,6 +374,11 @@ class EngineRunner:
                     except Exception as exc:
                         self._fail(req, exc)
             for req in joining:
+                st = req.seq.stats
+                # queued until its prompt's first tokens went in (first come first served
+                # keeps younger long prompts waiting with their sequences made)
+                if not st.queue_s and (req.seq.cache.length or self.engine.prefilled(req.seq)):
+                    st.queue_s = max(t0 - req.t0, 1e-9)
                 if not req.failed and self.engine.prefilled(req.seq):
                     req.prefilled = True
                     ready.append(req)

@@ -197,10 +197,13 @@ class Prefill:
         ml = self.pool.max_len
         budgets = sorted(set(budgets or [params.budget]))
         ctxs = self.target.classes(contexts)
-        widths = {2} | {self.tree_width(b, params.topk)[0] for b in budgets}
-        if not self.device_tree:  # trees built on the host: any power of two up to the bound
-            widths |= set(bucket_sizes(max(widths))) - {1}
-        widths = sorted(widths)
+        if self.drafter.name == "none":  # AR: every round verifies the roots alone
+            widths = [2]
+        else:
+            widths = {2} | {self.tree_width(b, params.topk)[0] for b in budgets}
+            if not self.device_tree:  # trees built on the host: any power of two up to it
+                widths |= set(bucket_sizes(max(widths))) - {1}
+            widths = sorted(widths)
         for b in bucket_sizes(self.pool.slots):
             for w in widths:
                 for ctx in ctxs:
