@@ -14,10 +14,10 @@ one back up: the size settles where a chunk takes `steps` decode steps; only chu
 filled their budget count, a prompt's padded tail would read as slow). A round that prefills
 then takes about 1 + `steps` decode steps; of several prompts joining at once, those that fit
 go in whole, first come first, and the oldest longer one takes the rest (StaticEngine.allot).
-Within `--chunked-prefill-size`, at least MIN_TOKENS (short prompts are never split: where even that
-many tokens take longer than `steps` decode steps, as on a CPU, rounds that admit a long
-prompt take longer than the target); FIRST_TOKENS before any chunk is measured. An idle
-engine prefills whole.
+Within `--chunked-prefill-size`, at least MIN_TOKENS (short prompts are never split: where
+even that many tokens take longer than `steps` decode steps, as on a CPU, rounds that admit
+a long prompt take longer than the target); FIRST_TOKENS before any chunk is measured. An
+idle engine prefills whole.
 """
 
 from __future__ import annotations

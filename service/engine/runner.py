@@ -419,12 +419,12 @@ class EngineRunner:
             if isinstance(new, Exception):
                 self._fail(req, new)
                 continue
-            seq, st = req.seq, req.seq.stats
+            seq, st, since = req.seq, req.seq.stats, time.perf_counter() - req.t0
             if new and not st.first_token_s:
-                st.first_token_s = time.perf_counter() - req.t0
+                st.first_token_s = since
             if seq.finished:
-                st.finish_s = time.perf_counter() - req.t0
-                st.first_token_s = st.first_token_s or st.finish_s  # none came out
+                st.finish_s = since
+                st.first_token_s = st.first_token_s or since  # none came out
             lp = None if seq.logprobs is None else seq.logprobs.slice(len(seq.logprobs) - len(new))
             req.deliver(
                 StepOutput(new, seq.finished, seq.finish_reason, fingerprint, seq.stats, lp)

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from ddserve.config.engine import MAX_TOPK, LiveParams
+from ddserve.engine.drafters import NoDrafter
 from ddserve.engine.sequence import Sequence
 from ddserve.engine.static import next_bucket
 from ddserve.engine.static_models import pack_draft, pack_target
@@ -197,7 +198,7 @@ class Prefill:
         ml = self.pool.max_len
         budgets = sorted(set(budgets or [params.budget]))
         ctxs = self.target.classes(contexts)
-        if self.drafter.name == "none":  # AR: every round verifies the roots alone
+        if isinstance(self.drafter, NoDrafter):  # AR: every round verifies the roots alone
             widths = [2]
         else:
             widths = {2} | {self.tree_width(b, params.topk)[0] for b in budgets}
