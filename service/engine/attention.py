@@ -22,6 +22,12 @@ Two implementations of that one rule:
               with a second small kernel merging the splits. Registered as the torch op `ddserve::tree_attention` so
               torch.compile treats it as one opaque call.
 
+A prompt chunk whose rows all start at an empty context (a prompt's first chunk) and that runs
+under a CUDA graph takes `fresh` (`FRESH`, `fresh_attention`): causal self-attention over the
+chunk's own keys through torch's fused kernels, nothing read from the pool (on the H200, 0.17
+ms a layer for 7,200 tokens by cuDNN against 0.43-0.53 by the triton kernel: bench/NOTES.md),
+so a long prompt to an idle engine goes in as one wide forward.
+
 A prompt chunk that runs outside a CUDA graph (every chunk without graphs; on CUDA a shape not
 captured at warm-up) takes a third way, `ragged` (`plan_ragged`): the rows' slots and committed
 lengths are known on the host, so each row attends exactly its own keys through torch's
@@ -53,7 +59,8 @@ class Attn(NamedTuple):
     sdpa: `mask` [B, 1, G*W, ctx] additive, keys [0, ctx). triton: `ctx` the context class
     (no row has more keys; it bounds the key splits), `past` [B] committed
     lengths, `tree` [B, W, W] (int, nonzero = visible; TREE mode only), `window` [B] or None,
-    `mode` TREE / CAUSAL / FULL. ragged (CAUSAL): `past` and `slots` [B] on the host."""
+    `mode` TREE / CAUSAL / FULL. ragged (CAUSAL): `past` and `slots` [B] on the host.
+    fresh (CAUSAL): nothing (every row starts at an empty context)."""
 
     backend: str
     mask: torch.Tensor | None = None
@@ -115,6 +122,9 @@ def plan(
     )
 
 
+FRESH = Attn("fresh", mode=CAUSAL)
+
+
 def plan_ragged(past: torch.Tensor, slots: torch.Tensor) -> Attn:
     """A prompt chunk's attention with its rows' committed lengths and slots on the host
     (CPU int64 [B]): each row attends keys [0, past + t] of its slot, nothing padded."""
@@ -138,22 +148,46 @@ def prefill_attention(
         m = min(w, length - p)
         qr = q[r * w : r * w + m].transpose(0, 1).unsqueeze(0)  # [1, nh, m, hd]
         keys, values = kc[slot : slot + 1, :, : p + m], vc[slot : slot + 1, :, : p + m]
-        gqa = not (q.device.type == "cuda" and q.dtype == torch.float32)
-        if not gqa:  # fp32 on CUDA: no flash/cuDNN; torch's memory-efficient kernel, which
-            # takes no GQA (the math fallback would hold an m x (p + m) score matrix)
-            keys = keys.repeat_interleave(nh // keys.shape[1], 1)
-            values = values.repeat_interleave(nh // values.shape[1], 1)
-        with _fused_kernels(q.device, first_chunk=p == 0):
-            if p == 0:
-                att = F.scaled_dot_product_attention(
-                    qr, keys, values, is_causal=True, enable_gqa=gqa
-                )
-            else:
-                att = F.scaled_dot_product_attention(
-                    qr, keys, values, attn_mask=_causal_from_end(m, p, q.device), enable_gqa=gqa
-                )
-        out[r * w : r * w + m] = att[0].transpose(0, 1)
+        out[r * w : r * w + m] = _causal_sdpa(qr, keys, values, p)[0].transpose(0, 1)
     return out
+
+
+@torch.library.custom_op("ddserve::fresh_attention", mutates_args=())
+def fresh_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, b: int) -> torch.Tensor:
+    """A prompt chunk of B rows that all start at an empty context: q [B*W, nh, hd], the
+    chunk's own k/v [B*W, kvh, hd]; causal within each row. Returns [B*W, nh, hd]. Fixed
+    shapes, no host values: it runs under CUDA graphs (a row's padding after its prompt
+    sees the prompt and is never read; causal keeps it out of the prompt's rows)."""
+    n, nh, hd = q.shape
+    w, kvh = n // b, k.shape[1]
+    att = _causal_sdpa(
+        q.view(b, w, nh, hd).transpose(1, 2),
+        k.view(b, w, kvh, hd).transpose(1, 2),
+        v.view(b, w, kvh, hd).transpose(1, 2),
+        0,
+    )
+    return att.transpose(1, 2).reshape(n, nh, hd)
+
+
+@fresh_attention.register_fake
+def _(q, k, v, b):
+    return torch.empty_like(q, memory_format=torch.contiguous_format)
+
+
+def _causal_sdpa(q, keys, values, past: int) -> torch.Tensor:
+    """q [B, nh, m, hd] of tokens at positions past..past + m - 1; keys/values [B, kvh,
+    past + m, hd]: token t sees keys [0, past + t], through torch's fused kernels."""
+    nh = q.shape[1]
+    gqa = not (q.device.type == "cuda" and q.dtype == torch.float32)
+    if not gqa:  # fp32 on CUDA: no flash/cuDNN; torch's memory-efficient kernel, which
+        # takes no GQA (the math fallback would hold an m x (past + m) score matrix)
+        keys = keys.repeat_interleave(nh // keys.shape[1], 1)
+        values = values.repeat_interleave(nh // values.shape[1], 1)
+    with _fused_kernels(q.device, first_chunk=past == 0):
+        if past == 0:
+            return F.scaled_dot_product_attention(q, keys, values, is_causal=True, enable_gqa=gqa)
+        mask = _causal_from_end(q.shape[2], past, q.device)
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=gqa)
 
 
 @prefill_attention.register_fake
@@ -189,11 +223,16 @@ def _fused_kernels(device: torch.device, first_chunk: bool):
     return sdpa_kernel(order, set_priority=True)
 
 
-def attend(q, kc, vc, rows, b: int, w: int, attn: Attn, rows_are_slots: bool) -> torch.Tensor:
+def attend(
+    q, kc, vc, rows, b: int, w: int, attn: Attn, rows_are_slots: bool, k=None, v=None
+) -> torch.Tensor:
     """q [B*W, nh, hd] (RoPE applied); kc/vc one layer's pool [S, kvh, L, hd] with this
-    forward's keys already written; rows [B] slots. Returns [B*W, nh*hd]."""
+    forward's keys already written; rows [B] slots; k/v [B*W, kvh, hd] this forward's own
+    keys and values (read by `fresh` only). Returns [B*W, nh*hd]."""
     n, nh, hd = q.shape
     kvh = kc.shape[1]
+    if attn.backend == "fresh":
+        return torch.ops.ddserve.fresh_attention(q, k, v, b).view(n, nh * hd)
     if attn.backend == "ragged":
         out = torch.ops.ddserve.prefill_attention(q, kc, vc, attn.slots, attn.past)
         return out.view(n, nh * hd)

@@ -165,9 +165,7 @@ def _merge(
     out = tl.sum(acc * f[:, None], 0) / tl.where(l_all > 0, l_all, 1.0)
     t = m_idx // G
     head = kh * G + m_idx % G
-    tl.store(
-        Out + (b * W + t) * so_n + head * so_h + d, out.to(Out.dtype.element_ty), mask=d < HD
-    )
+    tl.store(Out + (b * W + t) * so_n + head * so_h + d, out.to(Out.dtype.element_ty), mask=d < HD)
 
 
 @functools.cache

@@ -242,7 +242,7 @@ def layer_step(block: Block, x, cos, sin, kc, vc, rows, wpos, attn: Attn, rows_a
     q, k, v = qk[:, :nh], qk[:, nh:], qkv[:, nh + kvh :]
     kc[rows[:, None], :, wpos] = k.reshape(b, w, kvh, hd)
     vc[rows[:, None], :, wpos] = v.reshape(b, w, kvh, hd)
-    att = attend(q, kc, vc, rows, b, w, attn, rows_are_slots)
+    att = attend(q, kc, vc, rows, b, w, attn, rows_are_slots, k, v)
     x = x + linear(att, block.o_proj.weight)
     h = block.post_attention_layernorm(x)
     gate, up = linear(h, block.gate_up_weight).chunk(2, dim=-1)

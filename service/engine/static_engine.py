@@ -72,7 +72,12 @@ from ddserve.engine.static_models import (
     pack_target,
     slots_that_fit,
 )
-from ddserve.engine.static_prefill import PREFILL_CHUNKS, PREFILL_CHUNKS_LONG, Prefill
+from ddserve.engine.static_prefill import (
+    PREFILL_CHUNKS,
+    PREFILL_CHUNKS_LONG,
+    Prefill,
+    fresh_chunks,
+)
 from ddserve.engine.tree import (
     DeviceTrees,
     accept,
@@ -134,6 +139,8 @@ class StaticEngine(Prefill, Drafting):
             attention=self.attention,
         )
         self.pool = self.target.pool
+        # a prompt's first chunk under graphs: up to the pool's width (attention.FRESH)
+        self.fresh_chunks = fresh_chunks(self.pool.max_len) if self.target.graphs.enabled else ()
         self.sdraft = None
         if isinstance(drafter, DFlashDrafter):
             self.sdraft = StaticDFlash(

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from ddserve.config.engine import MAX_BUDGET
-from ddserve.engine.attention import CAUSAL, FULL, TREE, plan, plan_ragged
+from ddserve.engine.attention import CAUSAL, FRESH, FULL, TREE, plan, plan_ragged
 from ddserve.engine.dflash import DFlashDrafter
 from ddserve.engine.llama import Llama, apply_rope, linear
 from ddserve.engine.static import (
@@ -37,6 +37,11 @@ log = logging.getLogger(__name__)
 # scratch entries at the end of every slot: the widest forward (a tree of MAX_BUDGET nodes
 # plus its root, rounded up to a power of two) writes its padding there
 GUARD = next_bucket(MAX_BUDGET + 1, 256, 1 << 20)
+
+
+# the context class of a prompt chunk whose rows all start at an empty context (a prompt's
+# first chunk): its attention is the chunk's own causal self-attention (attention.FRESH)
+FRESH_CTX = 0
 
 
 def round_up(n: int, m: int) -> int:
@@ -165,7 +170,12 @@ class StaticTarget:
         groups = m.cfg.num_heads // m.cfg.num_kv_heads
         # rows named by slot index are prompt chunks (prefill: causal); rows = slots verify trees
         mode = TREE if rows_are_slots else CAUSAL
-        attn = ragged or plan(self.attention, lens, mode, tree, w, ctx, groups, x.dtype)
+        if ragged is not None:
+            attn = ragged
+        elif ctx == FRESH_CTX and not rows_are_slots:
+            attn = FRESH
+        else:
+            attn = plan(self.attention, lens, mode, tree, w, ctx, groups, x.dtype)
         taps = []
         layer = self.layer if ragged is None else self.prefill_layer
         for i, block in enumerate(m.layers):

@@ -21,18 +21,36 @@ from ddserve.config.engine import MAX_TOPK, LiveParams
 from ddserve.engine.drafters import NoDrafter
 from ddserve.engine.sequence import Sequence
 from ddserve.engine.static import next_bucket
-from ddserve.engine.static_models import pack_draft, pack_target
+from ddserve.engine.static_models import FRESH_CTX, pack_draft, pack_target
 
 PREFILL_CHUNKS = (16, 64, 256)  # prompt chunk widths, sdpa (it reads a padded key range)
 # with the triton kernel; 512: a paced budget between 512 and 1,023 tokens fills half of it
 # or more in one forward (the pacer measures such rounds)
 PREFILL_CHUNKS_LONG = (16, 64, 256, 512, 1024, 2048)
 PREFILL_ROWS = 8  # prompts prefilled together in one forward
+# a prompt's first chunk under CUDA graphs (its rows all start at an empty context: attention
+# over the chunk's own keys by torch's fused kernels, attention.FRESH): widths up to the
+# pool's, so a prompt of up to 8,192 tokens to an idle engine is one forward (on the H200 a
+# 7,200-token prompt took 35.5 ms in 2,048-token chunks, 26 of them in the triton kernel's
+# attention, where cuDNN's causal attention over all 7,200 took 5.2); at most FRESH_TOKENS
+# tokens (rows x width) a forward, as the widest chunks of the other classes
+FRESH_CHUNKS = (1024, 2048, 3072, 4096, 6144, 8192)
+FRESH_TOKENS = 16384
 # prompt tokens of one forward without a graph while nothing decodes: a long prompt in one
 # (fused attention's memory is linear; on the H200 one 7,200-token causal attention took 0.18
 # ms a layer against ~0.5 in 2,048-token chunks, on this CPU a whole 2,000-token prefill 17%
 # less time than 256-token chunks: bench/NOTES.md)
 PREFILL_WHOLE = 8192
+
+
+def fresh_chunks(max_len: int) -> tuple[int, ...]:
+    """The fresh-prompt chunk widths a pool of `max_len` entries a slot takes."""
+    return tuple(w for w in FRESH_CHUNKS if w <= max_len)
+
+
+def fresh_rows(w: int) -> int:
+    """Rows of a fresh chunk of width w in one forward: a power of two, FRESH_TOKENS at most."""
+    return 1 << max(0, min(PREFILL_ROWS, FRESH_TOKENS // w).bit_length() - 1)
 
 
 def bucket_sizes(hi: int) -> list[int]:
@@ -119,16 +137,28 @@ class Prefill:
             need = {i: min(rest[i], left_q[i]) for i in todo}
             # the chunk widths with graphs: a row that ends its prompt pads up to one; a row
             # cut short takes whole chunks (the widest within its quota: no padded waste)
-            fit = {i: need[i] if need[i] == rest[i] else self._floor_chunk(need[i]) for i in todo}
-            width = {i: self._chunk(fit[i]) for i in todo}
+            fresh = {i: seqs[i].cache.length == 0 for i in todo}  # a first chunk
+            fit = {
+                i: need[i] if need[i] == rest[i] else self._floor_chunk(need[i], fresh[i])
+                for i in todo
+            }
+            width = {i: self._chunk(fit[i], fresh[i]) for i in todo}
             w = max(width.values())
             # rows whose own width is under half of it wait for a forward of their own (a
             # short prompt would otherwise pay the long one's width in every matmul)
             rows_in = [i for i in todo if 2 * width[i] >= w]
+            ctx = None
+            if w in self.fresh_chunks and (w > self.chunks[-1] or all(fresh[i] for i in rows_in)):
+                # first chunks alone, under the fresh class (wider than the other classes'
+                # chunks: fresh rows only; at most FRESH_TOKENS tokens)
+                rows_in = [i for i in rows_in if fresh[i]][: fresh_rows(w)]
+                w, ctx = max(width[i] for i in rows_in), FRESH_CTX
             b = next_bucket(len(rows_in), 1, PREFILL_ROWS)
             longest = max(seqs[i].cache.length for i in rows_in) + w
             take = {i: min(need[i], w) for i in rows_in}
-            if self.target.prefill_eager((False, b, w, self.target.ctx_bucket(longest))):
+            if ctx is None:
+                ctx = self.target.ctx_bucket(longest)
+            if self.target.prefill_eager((False, b, w, ctx)):
                 # no graph: the rows there are and what they take exactly, nothing padded;
                 # up to PREFILL_WHOLE tokens in one forward (a long prompt to an idle engine)
                 cap = max(self.chunks[-1], PREFILL_WHOLE // len(todo))
@@ -155,7 +185,7 @@ class Prefill:
                 takes.append((r, i, n))
                 longest = max(longest, at + w)
             packed = pack_target(toks, pos, pos, lens, rows)  # causal: no tree
-            _, _, taps = self.target.forward(packed, b, w, self.target.ctx_bucket(longest), False)
+            _, _, taps = self.target.forward(packed, b, w, ctx, False)
             for r, i, n in takes:
                 if taps is not None:
                     seqs[i].hidden_new.append(taps[r * w : r * w + n].clone())
@@ -175,13 +205,18 @@ class Prefill:
             seq.stats.prefill_s += elapsed
         return spent
 
-    def _chunk(self, n: int) -> int:
-        """The narrowest chunk of at least n tokens (the widest if none)."""
-        return next((c for c in self.chunks if c >= n), self.chunks[-1])
+    def _widths(self, fresh: bool) -> list[int]:
+        """The chunk widths a row may take (a first chunk: the fresh class's too)."""
+        return sorted({*self.chunks, *self.fresh_chunks}) if fresh else list(self.chunks)
 
-    def _floor_chunk(self, n: int) -> int:
+    def _chunk(self, n: int, fresh: bool = False) -> int:
+        """The narrowest chunk of at least n tokens (the widest if none)."""
+        widths = self._widths(fresh)
+        return next((c for c in widths if c >= n), widths[-1])
+
+    def _floor_chunk(self, n: int, fresh: bool = False) -> int:
         """The widest chunk of at most n tokens (the narrowest if none)."""
-        return max([c for c in self.chunks if c <= n] or [self.chunks[0]])
+        return max([c for c in self._widths(fresh) if c <= n] or [self.chunks[0]])
 
     @torch.inference_mode()
     def warm_up(self, params: LiveParams, contexts=(128, 256, 512), budgets=None) -> float:
@@ -228,6 +263,13 @@ class Prefill:
                         toks = np.zeros((b, w), np.int64)
                         packed = pack_target(toks, guard, guard, zeros, zeros)
                         self.target.forward(packed, b, w, ctx, False)
+        # a prompt's first chunk (its rows start at an empty context: the fresh class)
+        for w in self.fresh_chunks:
+            for b in bucket_sizes(fresh_rows(w)):
+                guard = np.tile(np.arange(ml - w, ml), (b, 1))
+                zeros = np.zeros(b, np.int64)
+                packed = pack_target(np.zeros((b, w), np.int64), guard, guard, zeros, zeros)
+                self.target.forward(packed, b, w, FRESH_CTX, False)
         # from now on a prompt chunk of a shape not captured runs without a graph and
         # uncompiled (a capture or a recompilation while others decode would stall them);
         # one such chunk now (the fused attention kernels' first-use set-up)

@@ -16,6 +16,8 @@ from ddserve.engine.prefill_pacing import MIN_TOKENS
 from ddserve.engine.runner import EngineRunner
 from ddserve.engine.sampling import SamplingParams
 from ddserve.engine.static_engine import StaticEngine
+from ddserve.engine.static_models import FRESH_CTX
+from ddserve.engine.static_prefill import fresh_chunks, fresh_rows
 from ddserve.engine.weights import random_llama, tiny_config
 from ddserve.errors import EngineError
 from tests.engine.reference import ReferenceDFlash, ReferenceEngine, record_trees
@@ -724,7 +726,8 @@ def test_the_warm_up_captures_every_graph_serving_can_need(tiny, monkeypatch, dr
     captures each batch bucket x verify width x class, each draft shape x class, and each
     prompt chunk x rows x class that holds it, so no forward while serving captures (and
     compiles) a graph while the running requests wait; trees built on the host (n-gram)
-    vary in size: every power-of-two width up to their bound. With sdpa (it reads the padded
+    vary in size: every power-of-two width up to their bound; and a prompt's first chunk of
+    every fresh width and row count (the fresh class). With sdpa (it reads the padded
     range) the classes are powers of two, those of the warm-up's contexts captured."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # the engine's choice only: nothing runs
     make = {
@@ -737,6 +740,8 @@ def test_the_warm_up_captures_every_graph_serving_can_need(tiny, monkeypatch, dr
         attention="triton", device_tree=False,
     )  # fmt: skip
     t, ml = eng.target, eng.target.pool.max_len
+    eng.fresh_chunks = fresh_chunks(ml)  # as under graphs
+    assert eng.fresh_chunks == (1024, 2048, 3072, 4096)  # the pool's 4,096 + guard
     assert t.classes((128, 256, 512)) == [512, ml]
     assert {t.ctx_bucket(n) for n in range(1, ml + 1)} == {512, ml}
     keys = set()
@@ -762,7 +767,16 @@ def test_the_warm_up_captures_every_graph_serving_can_need(tiny, monkeypatch, dr
                 assert any(k[:2] == ("draft", b) and k[3] == ctx for k in keys)
             for w in eng.chunks:
                 assert ((False, b, w, ctx) in keys) == (w <= ctx)
-    assert {k[3] for k in keys} == {512, ml}  # (slots, b, w, ctx) / ("draft", b, depth, ctx, ...)
+    # a prompt's first chunk: every fresh width, rows up to FRESH_TOKENS in powers of two
+    assert {k for k in keys if k[3] == FRESH_CTX and k[0] is False} == {
+        (False, b, w, FRESH_CTX)
+        for w in eng.fresh_chunks
+        for b in (1, 2, 4, 8)
+        if b <= fresh_rows(w)
+    }
+    assert fresh_rows(3072) == 4 and fresh_rows(8192) == 2 and fresh_rows(1024) == 8
+    # (slots, b, w, ctx) / ("draft", b, depth, ctx, ...)
+    assert {k[3] for k in keys} == {512, ml, FRESH_CTX}
     sdpa = StaticEngine(tiny, NoDrafter(), 6, (), slots=8, max_context=4096, graphs=False)
     assert sdpa.target.classes((128, 256, 512)) == [128, 256, 512]
     assert sdpa.target.ctx_bucket(513) == 1024
@@ -772,44 +786,55 @@ def test_the_warm_up_captures_every_graph_serving_can_need(tiny, monkeypatch, dr
 def test_an_idle_engine_prefills_a_long_prompt_in_one_forward(tiny, drafter):
     """Without graphs and with nothing decoding, a prompt longer than the widest chunk goes in
     one forward (two prompts: one forward of both rows), and decodes exactly as one prefilled
-    in the fixed chunks of captured shapes: the same KV entries, tokens and (DFlash, which
-    takes the prompt's tapped states) accept lengths; the last layer's keys depend on the
-    attention below it."""
+    in the fixed chunks of captured shapes, as one whose first chunk (both rows) takes the
+    fresh class (attention over the chunk's own keys, one forward up to the pool's width), and
+    as one whose fresh chunk is followed by others: the same KV entries, tokens and (DFlash,
+    which takes the prompt's tapped states) accept lengths; the last layer's keys depend on
+    the attention below it."""
     gen = torch.Generator().manual_seed(9)
     prompts = [torch.randint(3, 500, (n,), generator=gen).tolist() for n in (700, 450)]
     draft = random_dflash(tiny) if drafter == "dflash" else None
     outs, pools = [], []
-    for shapes in ("exact", "captured"):
+    for shapes in ("exact", "captured", "fresh", "fresh-then-chunks"):
         d = DFlashDrafter(draft, tiny) if draft is not None else NoDrafter()
         eng = StaticEngine(tiny, d, 6, (), slots=4, max_context=1024, graphs=False)
-        if shapes == "captured":
+        if shapes != "exact":
             eng.target.prefill_eager = lambda key: False
+        if shapes == "fresh":  # as under graphs: first chunks up to the pool's width
+            eng.fresh_chunks = fresh_chunks(eng.pool.max_len)
+        elif shapes == "fresh-then-chunks":
+            eng.fresh_chunks = (256,)
         forward, widths = eng.target.forward, []
 
         def counting(packed, b, w, ctx, rows_are_slots, trees=None, forward=forward, widths=widths):
             if not rows_are_slots:
-                widths.append((b, w))
+                widths.append((b, w, ctx == FRESH_CTX))
             return forward(packed, b, w, ctx, rows_are_slots, trees)
 
         eng.target.forward = counting
         seqs = [eng.new_sequence(p, SamplingParams(max_tokens=8)) for p in prompts]
         eng.prefill_batch(seqs)
         if shapes == "exact":
-            assert widths == [(2, 699)]
+            assert widths == [(2, 699, False)]
             short = eng.new_sequence(prompts[1][:20], SamplingParams(max_tokens=1))
             other = eng.new_sequence(prompts[0] + [7], SamplingParams(max_tokens=1))
             eng.prefill_batch([other, short])  # under half the width: a forward of its own
-            assert widths[1:] == [(1, 700), (1, 19)] and eng.prefilled(short)
+            assert widths[1:] == [(1, 700, False), (1, 19, False)] and eng.prefilled(short)
             eng.release(short)
             eng.release(other)
-        else:  # 256-wide chunks (this engine's widest), rows padded to a power of two
-            assert len(widths) == 3 and all(w == 256 for _, w in widths)
+        elif shapes == "captured":  # 256-wide chunks (this engine's widest), rows padded
+            assert widths == [(2, 256, False)] * 2 + [(1, 256, False)]
+        elif shapes == "fresh":  # both first chunks in one forward of the fresh class
+            assert widths == [(2, 1024, True)]
+        else:  # a fresh first chunk, then the rest in chunks after it
+            assert widths == [(2, 256, True), (2, 256, False), (1, 256, False)]
         pools.append(
             [(eng.target.pool.k[-1][s.cache.slot, :, : s.cache.length].clone()) for s in seqs]
         )
         while not all(s.finished for s in seqs):
             eng.step_batch([s for s in seqs if not s.finished], LiveParams(budget=4, topk=2))
         outs.append([(s.output, s.stats.accept_lengths) for s in seqs])
-    assert outs[0] == outs[1]
-    for a, b in zip(*pools, strict=True):
-        assert a.shape == b.shape and torch.allclose(a, b, atol=1e-5)
+    assert all(out == outs[0] for out in outs[1:])
+    for other in pools[1:]:
+        for a, b in zip(pools[0], other, strict=True):
+            assert a.shape == b.shape and torch.allclose(a, b, atol=1e-5)
