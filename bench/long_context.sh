@@ -50,6 +50,10 @@ for part in $parts; do
             $py -m ddserve bench --url "http://127.0.0.1:$port" --out "$out/$part-p$n" \
                 --concurrency "$levels" --requests "$req" --max-tokens 128 --prompt-tokens "$n" \
                 --no-progress | grep -E "^ +[0-9]+ " | sed "s/^/$part p$n /"
+            # the server's counters after this length (TTFT split into queue, prefill and
+            # the API's share: the request phase histograms, cumulative over the lengths)
+            curl -sf -m 5 "http://127.0.0.1:$port/metrics" >"$out/$part-p$n.prom" 2>/dev/null ||
+                rm -f "$out/$part-p$n.prom"
         done
         # shellcheck disable=SC2086
         $py -m ddserve.bench.admission --url "http://127.0.0.1:$port" $admission_args \

@@ -14,7 +14,8 @@ KV entries attended, read once at the measured copy bandwidth. With several --co
 and --attention backends (ddserve.engine.attention), every (backend, context) pair is a row
 set, side by side in one run. --prefill N,...: the time to prefill one N-token prompt through
 the engine (StaticEngine.prefill, graphs and each backend's chunk widths), per backend and
-mode. Writes NAME.json.
+mode; with graphs also without the fresh class (the first chunk as any other) and without
+graphs, side by side. Writes NAME.json.
 """
 
 from __future__ import annotations
@@ -217,7 +218,7 @@ def time_prefill(model, mode: str, attn: str, lengths: list[int], longest: int) 
         1,
         (),
         slots=1,
-        max_context=longest,
+        max_context=max(longest, 8192),  # as served (`ddserve engine --max-context 8192`)
         graphs=mode != "eager",
         compile=mode == "compile",
         attention=attn,
@@ -225,12 +226,14 @@ def time_prefill(model, mode: str, attn: str, lengths: list[int], longest: int) 
     eng.warm_up(LiveParams(budget=0))  # as served: chunks of shapes not captured run eagerly
     rows = []
     rng = np.random.default_rng(0)
-    as_served = eng.target.prefill_eager
-    paths = ["served", "no-graph"] if eng.target.graphs.enabled else ["served"]
+    as_served, fresh = eng.target.prefill_eager, eng.fresh_chunks
+    paths = ["served", "no-fresh", "no-graph"] if eng.target.graphs.enabled else ["served"]
     for n, path in ((n, p) for n in lengths for p in paths):
-        # "no-graph": every chunk without a graph (exact widths), as before the warm-up
-        # captured prompt chunks for every context (triton), side by side
-        eng.target.prefill_eager = as_served if path == "served" else (lambda key: True)
+        # "no-fresh": the first chunk in the other classes' widths and attention, as before
+        # the fresh class; "no-graph": every chunk without a graph (exact widths), as before
+        # the warm-up captured prompt chunks for every context (triton); side by side
+        eng.target.prefill_eager = as_served if path != "no-graph" else (lambda key: True)
+        eng.fresh_chunks = fresh if path == "served" else ()
         prompt = rng.integers(3, model.cfg.vocab_size, n + 1).tolist()
         times = []
         for i in range(6):
