@@ -8,7 +8,7 @@ softmax over its share of that request's visible keys [lo, past + new_hi) in BLO
     committed keys j < past         visible (j >= lo)
     new keys j = past + u, u < W     visible by mode: TREE tree[b, t, u]; CAUSAL u <= t; FULL
 With one split it writes the output; with several it writes (m, l, acc) partials that
-`_merge` combines (every split of a row loaded at once). The number of splits depends only on the grid's other dimensions (shapes),
+`_merge` combines (a program per folded row, every split loaded at once). The number of splits depends only on the grid's other dimensions (shapes),
 never on lengths, so a CUDA graph of one shape replays for every context. MODE is
 ddserve.engine.attention's TREE 0 / CAUSAL 1 / FULL 2 (this module does not import it: that
 module imports this one where triton is); 3 = committed keys only (internal).
@@ -144,36 +144,28 @@ def _keys(
 
 @triton.jit
 def _merge(
-    Mp, Lp, Ap, Out, so_n, so_h, W, G, KVH, SPLITS, MPAD, ROWS_G,
-    HD: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr,
+    Mp, Lp, Ap, Out, so_n, so_h, W, G, KVH, SPLITS, MPAD,
+    HD: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
 ):  # fmt: skip
-    """BLOCK_R folded query rows of one kv head, each with every split's (m, l, acc) loaded
-    at once (no loop over the splits: a loop of dependent loads made this kernel ~12 us a
-    layer at 32 splits with the decode's 3 programs, more than the split attention itself,
-    on the H200); several rows a program for wide prompt chunks (a program per row cost as
-    much as their attention)."""
+    """One folded query row of one kv head: every split's (m, l, acc) loaded at once (no loop
+    over the splits: a loop of dependent loads made this kernel ~12 us a layer at 32 splits
+    with the decode's 3 programs, more than the split attention itself, on the H200)."""
     pid_bh = tl.program_id(0)
+    m_idx = tl.program_id(1)
     b = pid_bh // KVH
     kh = pid_bh % KVH
     s = tl.arange(0, BLOCK_S)
     s_ok = s < SPLITS
     d = tl.arange(0, BLOCK_D)
-    for r in tl.static_range(BLOCK_R):
-        m_idx = tl.program_id(1) * BLOCK_R + r
-        ok = m_idx < ROWS_G
-        at = (pid_bh * SPLITS + s) * MPAD + m_idx
-        ms = tl.load(Mp + at, mask=s_ok & ok, other=NEG)
-        f = tl.exp(ms - tl.max(ms, 0))  # an empty split (m = NEG, l = 0) weighs nothing
-        l_all = tl.sum(tl.load(Lp + at, mask=s_ok & ok, other=0.0) * f, 0)
-        acc = tl.load(Ap + at[:, None] * BLOCK_D + d[None, :], mask=(s_ok & ok)[:, None], other=0.0)
-        out = tl.sum(acc * f[:, None], 0) / tl.where(l_all > 0, l_all, 1.0)
-        t = m_idx // G
-        head = kh * G + m_idx % G
-        tl.store(
-            Out + (b * W + t) * so_n + head * so_h + d,
-            out.to(Out.dtype.element_ty),
-            mask=(d < HD) & ok,
-        )
+    at = (pid_bh * SPLITS + s) * MPAD + m_idx
+    ms = tl.load(Mp + at, mask=s_ok, other=NEG)
+    f = tl.exp(ms - tl.max(ms, 0))  # an empty split (m = NEG, l = 0) weighs nothing
+    l_all = tl.sum(tl.load(Lp + at, mask=s_ok, other=0.0) * f, 0)
+    acc = tl.load(Ap + at[:, None] * BLOCK_D + d[None, :], mask=s_ok[:, None], other=0.0)
+    out = tl.sum(acc * f[:, None], 0) / tl.where(l_all > 0, l_all, 1.0)
+    t = m_idx // G
+    head = kh * G + m_idx % G
+    tl.store(Out + (b * W + t) * so_n + head * so_h + d, out.to(Out.dtype.element_ty), mask=d < HD)
 
 
 @functools.cache
@@ -246,10 +238,9 @@ def launch(
         **{k: tune[k] for k in ("num_warps", "num_stages") if k in tune},
     )  # fmt: skip
     if splits > 1:
-        block_r = 1 if rows_g <= 64 else 16  # decode / verify rows: one a program
-        _merge[(b * kvh, triton.cdiv(rows_g, block_r))](
-            mp, lp, ap, out, out.stride(0), out.stride(1), w, g, kvh, splits, mpad, rows_g,
-            HD=hd, BLOCK_D=block_d, BLOCK_S=triton.next_power_of_2(splits), BLOCK_R=block_r,
+        _merge[(b * kvh, rows_g)](
+            mp, lp, ap, out, out.stride(0), out.stride(1), w, g, kvh, splits, mpad,
+            HD=hd, BLOCK_D=block_d, BLOCK_S=triton.next_power_of_2(splits),
         )  # fmt: skip
     return out
 
