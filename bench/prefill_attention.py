@@ -7,7 +7,8 @@ W new tokens of one request after P committed keys, causal, SmolLM2's heads (9 q
 
 Side by side for each case (P:W), GPU time by CUDA events (median of 3 runs of 20 calls):
   * triton   ddserve.engine.attention_triton (the engine's kernel, CAUSAL mode), its default
-             launch and a sweep of block sizes / warps / stages;
+             launch, the same with its keys unsplit, and a sweep of block sizes / warps /
+             stages;
   * sdpa-*   torch's scaled_dot_product_attention on the same pool slice, one backend at a
              time (flash, cudnn, efficient), GQA by `enable_gqa`, the causal mask aligned
              to the last key (torch.nn.attention.bias.causal_lower_right) when P > 0.
@@ -96,6 +97,11 @@ def case(past: int, w: int, dev) -> dict:
         }
 
     record("triton", lambda: launch(q, kc, vc, rows, pastt, None, None, w, CAUSAL, length))
+    # the same launch with its keys unsplit (no partials, no merge)
+    record(
+        "triton 1 split",
+        lambda: launch(q, kc, vc, rows, pastt, None, None, w, CAUSAL, length, splits=1),
+    )
     for bm, bn, warps, stages in itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3)):
         tune = dict(block_m=bm, block_n=bn, num_warps=warps, num_stages=stages)
         record(
