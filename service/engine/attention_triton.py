@@ -8,8 +8,9 @@ softmax over its share of that request's visible keys [lo, past + new_hi) in BLO
     committed keys j < past         visible (j >= lo)
     new keys j = past + u, u < W     visible by mode: TREE tree[b, t, u]; CAUSAL u <= t; FULL
 With one split it writes the output; with several it writes (m, l, acc) partials that
-`_merge` combines (a program per folded row, every split loaded at once). The number of splits depends only on the grid's other dimensions (shapes),
-never on lengths, so a CUDA graph of one shape replays for every context. MODE is
+`_merge` combines (a program per folded row, every split loaded at once). The number of
+splits depends only on the grid's other dimensions (shapes), never on lengths, so a CUDA
+graph of one shape replays for every context. MODE is
 ddserve.engine.attention's TREE 0 / CAUSAL 1 / FULL 2 (this module does not import it: that
 module imports this one where triton is); 3 = committed keys only (internal).
 """
