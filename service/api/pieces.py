@@ -5,7 +5,8 @@ prompt's time to first token besides the prefill. Byte-level BPE tokenizers (GPT
 SmolLM2's, Llama 3's, Qwen's) first cut the text into pre-tokens with a regex, then merge
 within each pre-token only; so a text cut where the regex always cuts encodes, piece by piece,
 into the same ids, and the pieces can go to the Rust tokenizer's thread pool at once
-(`encode_batch`, which leaves the GIL).
+(`encode_batch_fast` where the tokenizers package has it: the same ids without the offsets,
+30% less time than `encode_batch` for a 7,200-token prompt here; both leave the GIL).
 
 Where the cut goes: at a space whose previous character is not whitespace. No pre-token of
 these regexes holds a non-whitespace character followed by a space (letters, digits and
@@ -150,6 +151,7 @@ def encode_pieces(tokenizer, text: str, threads: int | None = None) -> list[int]
     bounds = [0, *cuts, len(text)]
     parts = [text[a:b] for a, b in zip(bounds, bounds[1:], strict=False)]
     out: list[int] = []
-    for enc in backend.encode_batch(parts, add_special_tokens=False):
+    batch = getattr(backend, "encode_batch_fast", None) or backend.encode_batch
+    for enc in batch(parts, add_special_tokens=False):
         out.extend(enc.ids)
     return out
