@@ -109,7 +109,7 @@ def cut_points(text: str, pieces: int) -> list[int]:
     return cuts
 
 
-def _threads() -> int:
+def cpu_threads() -> int:
     if hasattr(os, "sched_getaffinity"):
         return len(os.sched_getaffinity(0))
     return os.cpu_count() or 1
@@ -133,7 +133,7 @@ def encode_pieces(tokenizer, text: str, threads: int | None = None) -> list[int]
     pieces; None where that cannot be done exactly or would not pay (encode it whole)."""
     if len(text) < 2 * PIECE_CHARS:
         return None
-    threads = threads or _threads()
+    threads = threads or cpu_threads()
     if threads < 2 or not ready(tokenizer):
         return None
     backend = tokenizer.backend_tokenizer

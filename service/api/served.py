@@ -18,6 +18,7 @@ from ddserve.api import openai_format as fmt
 from ddserve.api.backend import Backend
 from ddserve.api.generation import complete, every_n_tokens, resolve_sampling
 from ddserve.api.limits import Admission, ServerLimits, deadline_stream, guarded
+from ddserve.api.pieces import cpu_threads
 from ddserve.api.pieces import ready as pieces_ready
 from ddserve.api.protocol import Sampling
 from ddserve.api.text import TokenStrings, longest_token_chars
@@ -67,7 +68,15 @@ class Served:
         }
         self.admission = Admission(limits.max_requests, limits.retry_after_s)
         self.longest_token = longest_token_chars(backend.tokenizer)
-        pieces_ready(backend.tokenizer)  # long prompts in parallel pieces: decided at load
+        # long prompts in parallel pieces: decided at load, and said (it is most of a long
+        # prompt's time before the engine where it cannot be done)
+        if backend.tokenizer is not None:
+            if pieces_ready(backend.tokenizer):
+                log.info("long prompts are tokenised in up to %d parallel pieces", cpu_threads())
+            else:
+                log.info(
+                    "prompts are tokenised whole (this tokenizer is not known to split exactly)"
+                )
         self.strings = TokenStrings(backend.tokenizer)  # token id -> (text, bytes), log-probs
 
     async def admit(self):
