@@ -10,11 +10,13 @@
 # while a ~7,200-token prompt arrives).
 # Two more parts compare the admission policy alone (the default attention of the device):
 #   capped  --chunked-prefill-size 2048 --chunked-prefill-steps 0   (a fixed token cap)
-#   paced   --chunked-prefill-size 2048 --chunked-prefill-steps 2   (chunks paced by time: the default)
+#   paced   --chunked-prefill-size 2048 --chunked-prefill-steps STEPS (chunks paced by time; STEPS
+#           2 unless set: the default)
 #
 #   bench/long_context.sh OUT [before] [after] [capped] [paced]
 # env: PY (python3), DEVICE (cuda), LENGTHS (30,1000,2900,7200; "" = admission only),
-#      LEVELS (1,16), REQ (32), MAXB (16), ADMISSION_ARGS (flags of bench/admission.py)
+#      LEVELS (1,16), REQ (32), MAXB (16), ADMISSION_ARGS (flags of bench/admission.py),
+#      STEPS (paced: --chunked-prefill-steps, 2)
 set -u
 out=$1
 shift
@@ -36,7 +38,7 @@ for part in $parts; do
     before) flags="--attention-backend sdpa --chunked-prefill-size -1 --chunked-prefill-steps 0" ;;
     after) flags="--attention-backend triton --chunked-prefill-size 2048" ;;
     capped) flags="--chunked-prefill-size 2048 --chunked-prefill-steps 0" ;;
-    paced) flags="--chunked-prefill-size 2048 --chunked-prefill-steps 2" ;;
+    paced) flags="--chunked-prefill-size 2048 --chunked-prefill-steps ${STEPS:-2}" ;;
     *) echo "unknown part $part"; exit 2 ;;
     esac
     port=30112
