@@ -16,8 +16,8 @@ both cases (the only look-around, `\\s+(?!\\S)`, looks ahead). The first piece s
 the text does; by induction every piece's pre-tokens are the whole text's.
 
 Only tokenizers whose every stage is known to keep this are split: no normalizer or NFC (a
-space composes with nothing), the ByteLevel pre-tokenizer with its GPT-2 regex or a Split by
-one of the known patterns before a regex-free ByteLevel, a BPE model without dropout, and
+space composes with nothing; a Sequence of those, as transformers 5.17 builds it), the ByteLevel pre-tokenizer with its GPT-2 regex or a Split by
+one of the known patterns before a regex-free ByteLevel, a BPE model without dropout (byte fallback acts within a pre-token), and
 added tokens that hold no whitespace and strip none (they are matched before the regex, and a
 cut never falls inside one). Any other tokenizer, or a text under two pieces' length, is
 encoded whole.
@@ -70,16 +70,22 @@ def _pre_tokenizer_ok(p: dict | None) -> bool:
     )
 
 
+def _normalizer_ok(n: dict | None) -> bool:
+    """None, NFC, or a Sequence of those (transformers 5.17 builds an empty Sequence)."""
+    if n is None or n.get("type") == "NFC":
+        return True
+    return n.get("type") == "Sequence" and all(map(_normalizer_ok, n.get("normalizers", [])))
+
+
 def splittable(backend) -> bool:
     """Whether a `tokenizers.Tokenizer` encodes a text cut at our points into the same ids."""
     try:
         d = json.loads(backend.to_str())
     except Exception:  # not a Rust tokenizer we can read
         return False
-    normalizer = d.get("normalizer")
     model = d.get("model") or {}
     return (
-        (normalizer is None or normalizer.get("type") == "NFC")
+        _normalizer_ok(d.get("normalizer"))
         and _pre_tokenizer_ok(d.get("pre_tokenizer"))
         and model.get("type") == "BPE"
         and not model.get("dropout")
