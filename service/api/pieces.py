@@ -16,8 +16,9 @@ both cases (the only look-around, `\\s+(?!\\S)`, looks ahead). The first piece s
 the text does; by induction every piece's pre-tokens are the whole text's.
 
 Only tokenizers whose every stage is known to keep this are split: no normalizer or NFC (a
-space composes with nothing; a Sequence of those, as transformers 5.17 builds it), the ByteLevel pre-tokenizer with its GPT-2 regex or a Split by
-one of the known patterns before a regex-free ByteLevel, a BPE model without dropout (byte fallback acts within a pre-token), and
+space composes with nothing; a Sequence of those, as transformers 5.17 builds it), the
+ByteLevel pre-tokenizer with its GPT-2 regex or a Split by one of the known patterns before a
+regex-free ByteLevel, a BPE model without dropout (byte fallback acts within a pre-token), and
 added tokens that hold no whitespace and strip none (they are matched before the regex, and a
 cut never falls inside one). Any other tokenizer, or a text under two pieces' length, is
 encoded whole.
