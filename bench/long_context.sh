@@ -11,12 +11,12 @@
 # Two more parts compare the admission policy alone (the default attention of the device):
 #   capped  --chunked-prefill-size 2048 --chunked-prefill-steps 0   (a fixed token cap)
 #   paced   --chunked-prefill-size 2048 --chunked-prefill-steps STEPS (chunks paced by time; STEPS
-#           2 unless set: the default)
+#           1.5 unless set: the default)
 #
 #   bench/long_context.sh OUT [before] [after] [capped] [paced]
 # env: PY (python3), DEVICE (cuda), LENGTHS (30,1000,2900,7200; "" = admission only),
 #      LEVELS (1,16), REQ (32), MAXB (16), ADMISSION_ARGS (flags of bench/admission.py),
-#      STEPS (paced: --chunked-prefill-steps, 2)
+#      STEPS (paced: --chunked-prefill-steps, 1.5)
 set -u
 out=$1
 shift
@@ -38,7 +38,7 @@ for part in $parts; do
     before) flags="--attention-backend sdpa --chunked-prefill-size -1 --chunked-prefill-steps 0" ;;
     after) flags="--attention-backend triton --chunked-prefill-size 2048" ;;
     capped) flags="--chunked-prefill-size 2048 --chunked-prefill-steps 0" ;;
-    paced) flags="--chunked-prefill-size 2048 --chunked-prefill-steps ${STEPS:-2}" ;;
+    paced) flags="--chunked-prefill-size 2048 --chunked-prefill-steps ${STEPS:-1.5}" ;;
     *) echo "unknown part $part"; exit 2 ;;
     esac
     port=30112
