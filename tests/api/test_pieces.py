@@ -1,8 +1,9 @@
 """Long texts encoded in parallel pieces (ddserve.api.pieces) give exactly the ids of one
 encode: random texts of words, digits, punctuation, runs of spaces, tabs and newlines,
 apostrophes, accents, CJK, combining marks and the chat template's special tokens, through
-the bundled SmolLM2 tokenizer (ByteLevel, GPT-2's regex) and one built from its vocabulary
-with Llama 3's Split regex and an NFC normalizer; cut small so every text has many cuts.
+the bundled SmolLM2 tokenizer (ByteLevel, GPT-2's regex), the same as transformers 5.17 builds
+it (an empty Sequence normalizer, byte fallback), and one built from its vocabulary with
+Llama 3's Split regex and an NFC normalizer; cut small so every text has many cuts.
 A tokenizer whose stages could break that is encoded whole."""
 
 import json
