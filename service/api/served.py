@@ -71,7 +71,7 @@ class Served:
         # long prompts in parallel pieces: decided at load, and said (it is most of a long
         # prompt's time before the engine where it cannot be done)
         if backend.tokenizer is not None:
-            if pieces_ready(backend.tokenizer):
+            if pieces_ready(backend.tokenizer) and cpu_threads() > 1:
                 log.info("long prompts are tokenised in up to %d parallel pieces", cpu_threads())
             else:
                 log.info(

@@ -23,7 +23,7 @@ Two implementations of that one rule:
               torch.compile treats it as one opaque call.
 
 A prompt chunk whose rows all start at an empty context (a prompt's first chunk) and that runs
-under a CUDA graph takes `fresh` (`FRESH`, `fresh_attention`): causal self-attention over the
+under a CUDA graph (engines on triton) takes `fresh` (`FRESH`, `fresh_attention`): causal self-attention over the
 chunk's own keys through torch's fused kernels, nothing read from the pool (on the H200, 0.17
 ms a layer for 7,200 tokens by cuDNN against 0.43-0.53 by the triton kernel: bench/NOTES.md),
 so a long prompt to an idle engine goes in as one wide forward.
@@ -232,6 +232,8 @@ def attend(
     n, nh, hd = q.shape
     kvh = kc.shape[1]
     if attn.backend == "fresh":
+        if k is None or v is None:  # (the fused layers write their keys in-kernel)
+            raise ValueError("fresh attention needs the forward's own keys and values")
         return torch.ops.ddserve.fresh_attention(q, k, v, b).view(n, nh * hd)
     if attn.backend == "ragged":
         out = torch.ops.ddserve.prefill_attention(q, kc, vc, attn.slots, attn.past)

@@ -139,8 +139,11 @@ class StaticEngine(Prefill, Drafting):
             attention=self.attention,
         )
         self.pool = self.target.pool
-        # a prompt's first chunk under graphs: up to the pool's width (attention.FRESH)
-        self.fresh_chunks = fresh_chunks(self.pool.max_len) if self.target.graphs.enabled else ()
+        # a prompt's first chunk under graphs: up to the pool's width (attention.FRESH); with
+        # triton, whose widest other chunks already hold as many tokens (the sdpa reference
+        # keeps its narrow chunks and the activation memory they need)
+        fresh = self.target.graphs.enabled and self.attention == "triton"
+        self.fresh_chunks = fresh_chunks(self.pool.max_len) if fresh else ()
         self.sdraft = None
         if isinstance(drafter, DFlashDrafter):
             self.sdraft = StaticDFlash(

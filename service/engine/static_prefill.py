@@ -166,6 +166,9 @@ class Prefill:
                 w = max(take.values())
                 rows_in = [i for i in todo if 2 * take[i] >= w]
                 w, b = max(w, 2), len(rows_in)  # (a width of 1 would be a shape of its own)
+                # the class of the rows there are (the ragged path reads none: a key that
+                # names a class its rows do not fit must never reach a graph)
+                ctx = self.target.ctx_bucket(max(seqs[i].cache.length for i in rows_in) + w)
             todo = rows_in
             toks = np.zeros((b, w), dtype=np.int64)
             # rows that only fill the shape (slot 0) write into the guard entries only: a chunk
