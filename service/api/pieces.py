@@ -135,13 +135,20 @@ def ready(tokenizer) -> bool:
     return known[0]
 
 
+def parallel(tokenizer, threads: int | None = None) -> int:
+    """The pieces a long text is encoded in (at most): this host's threads (or `threads`)
+    where the tokenizer splits exactly and there are two or more; 0 = encoded whole."""
+    threads = threads or cpu_threads()
+    return threads if threads >= 2 and ready(tokenizer) else 0
+
+
 def encode_pieces(tokenizer, text: str, threads: int | None = None) -> list[int] | None:
     """The ids of `tokenizer.encode(text, add_special_tokens=False)`, encoded as parallel
     pieces; None where that cannot be done exactly or would not pay (encode it whole)."""
     if len(text) < 2 * PIECE_CHARS:
         return None
-    threads = threads or cpu_threads()
-    if threads < 2 or not ready(tokenizer):
+    threads = parallel(tokenizer, threads)
+    if not threads:
         return None
     backend = tokenizer.backend_tokenizer
     # the wrapper sets these on the backend per call; a bare backend call reads what is left

@@ -18,8 +18,7 @@ from ddserve.api import openai_format as fmt
 from ddserve.api.backend import Backend
 from ddserve.api.generation import complete, every_n_tokens, resolve_sampling
 from ddserve.api.limits import Admission, ServerLimits, deadline_stream, guarded
-from ddserve.api.pieces import cpu_threads
-from ddserve.api.pieces import ready as pieces_ready
+from ddserve.api.pieces import parallel
 from ddserve.api.protocol import Sampling
 from ddserve.api.text import TokenStrings, longest_token_chars
 from ddserve.errors import (
@@ -71,8 +70,8 @@ class Served:
         # long prompts in parallel pieces: decided at load, and said (it is most of a long
         # prompt's time before the engine where it cannot be done)
         if backend.tokenizer is not None:
-            if pieces_ready(backend.tokenizer) and cpu_threads() > 1:
-                log.info("long prompts are tokenised in up to %d parallel pieces", cpu_threads())
+            if pieces := parallel(backend.tokenizer):
+                log.info("long prompts are tokenised in up to %d parallel pieces", pieces)
             else:
                 log.info(
                     "prompts are tokenised whole (this tokenizer is not known to split exactly)"

@@ -208,6 +208,15 @@ class Prefill:
             seq.stats.prefill_s += elapsed
         return spent
 
+    def _guard_chunk(self, b: int, w: int, ctx: int) -> None:
+        """A prompt-chunk forward of shape (b, w, ctx) that writes only guard entries (the
+        warm-up's capture of that shape, or its run without a graph)."""
+        ml = self.pool.max_len
+        guard = np.tile(np.arange(ml - w, ml), (b, 1))
+        zeros = np.zeros(b, np.int64)
+        packed = pack_target(np.zeros((b, w), np.int64), guard, guard, zeros, zeros)
+        self.target.forward(packed, b, w, ctx, False)
+
     def _widths(self, fresh: bool) -> list[int]:
         """The chunk widths a row may take (a first chunk: the fresh class's too)."""
         return sorted({*self.chunks, *self.fresh_chunks}) if fresh else list(self.chunks)
@@ -261,27 +270,17 @@ class Prefill:
             for w in self.chunks:
                 for ctx in ctxs:
                     if ctx >= w:
-                        guard = np.tile(np.arange(ml - w, ml), (b, 1))
-                        zeros = np.zeros(b, np.int64)
-                        toks = np.zeros((b, w), np.int64)
-                        packed = pack_target(toks, guard, guard, zeros, zeros)
-                        self.target.forward(packed, b, w, ctx, False)
+                        self._guard_chunk(b, w, ctx)
         # a prompt's first chunk (its rows start at an empty context: the fresh class)
         for w in self.fresh_chunks:
             for b in bucket_sizes(fresh_rows(w)):
-                guard = np.tile(np.arange(ml - w, ml), (b, 1))
-                zeros = np.zeros(b, np.int64)
-                packed = pack_target(np.zeros((b, w), np.int64), guard, guard, zeros, zeros)
-                self.target.forward(packed, b, w, FRESH_CTX, False)
+                self._guard_chunk(b, w, FRESH_CTX)
         # from now on a prompt chunk of a shape not captured runs without a graph and
         # uncompiled (a capture or a recompilation while others decode would stall them);
         # one such chunk now (the fused attention kernels' first-use set-up)
         self.target.capture_prefill = False
         w = self.chunks[0] + 1
-        guard = np.arange(ml - w, ml)[None]
-        zeros = np.zeros(1, np.int64)
-        packed = pack_target(np.zeros((1, w), np.int64), guard, guard, zeros, zeros)
-        self.target.forward(packed, 1, w, self.target.ctx_bucket(w), False)
+        self._guard_chunk(1, w, self.target.ctx_bucket(w))
         if self.sdraft is not None:  # context-only rounds (budget 0)
             wn = self.sdraft.new_rows
             for b in bucket_sizes(self.pool.slots):
