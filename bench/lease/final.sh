@@ -5,21 +5,7 @@
 # 7,200-token prompt's admission to 15 running streams.
 mkdir -p /root/parts /root/res && cp .carry/p3/SmolLM2* /root/parts/ && . bench/device_env.sh /root/parts
 R=/root/res
-python3 - <<'PY' 2>&1 | grep -E "^(tokenizers|pieces)" | tee $R/tokenizer_probe.txt
-import time, tokenizers, transformers
-from ddserve.api import pieces
-from ddserve.bench.prompts import synthetic_set
-from ddserve.engine.weights import load_tokenizer
-tok = load_tokenizer("smollm2-135m")
-p = synthetic_set(7200, 1, "smollm2-135m")[0][0]
-print("tokenizers", tokenizers.__version__, "transformers", transformers.__version__, "ready", pieces.ready(tok), "threads", pieces.cpu_threads())
-def med(fn):
-    ts = []
-    for _ in range(9):
-        t0 = time.perf_counter(); fn(); ts.append(time.perf_counter() - t0)
-    return round(sorted(ts)[4] * 1e3, 2)
-print("pieces ms", med(lambda: pieces.encode_pieces(tok, p)), "whole ms", med(lambda: tok.encode(p, add_special_tokens=False)))
-PY
+python3 -m ddserve.bench.tokenizer_probe 2>&1 | grep -E "^(tokenizers|pieces)" | tee $R/tokenizer_probe.txt
 DEVICE=cuda LENGTHS=30,2900,7200 REQ=32 timeout 230 bash bench/long_context.sh $R/lc paced 2>&1 | grep -v transformers | tail -12
 grep -h "tokenised" $R/lc/paced-engine.log | head -1
 rm -f $R/*/*.png; tar czf $OUT/res.tgz -C /root res
