@@ -2,7 +2,7 @@
 
     python -m ddserve.bench.engine_load [--model smollm2-135m] [--device cuda] [--graphs auto]
         [--configs ar,dflash-b3k1] [--concurrency 1,4,16,64] [--requests 64]
-        [--max-tokens 128] [--temperature 0] [--prompt-set chat] [--name engine_load]
+        [--waves 2] [--max-tokens 128] [--temperature 0] [--prompt-set chat] [--name engine_load]
         [--compile auto|on|off] [--spec-max-batch N]
 
 A config name may end in modes after `@`: `@adaptive` (dflash-b16k4@adaptive) is the same
@@ -141,7 +141,7 @@ def run_config(lm, name, a, prompts, levels) -> dict:
         if events is not None:
             events.clear()
         w0 = time.perf_counter()
-        lv = asyncio.run(closed_loop(send, c, max(a.requests, 2 * c), c))
+        lv = asyncio.run(closed_loop(send, c, max(a.requests, a.waves * c), c))
         wall = time.perf_counter() - w0
         lv.pop("tau_per_request")
         tm = getattr(runner.engine, "timing", None)
@@ -184,7 +184,14 @@ def main() -> None:
     ap.add_argument("--configs", default="ar,dflash-b3k1")
     ap.add_argument("--concurrency", default="1,4,16,64")
     ap.add_argument(
-        "--requests", type=int, default=32, help="counted requests per level (at least 2C)"
+        "--requests", type=int, default=32, help="requests per level (the first C not counted)"
+    )
+    ap.add_argument(
+        "--waves",
+        type=int,
+        default=2,
+        help="at least this many times C requests per level: a level of a few waves is mostly "
+        "its first prefill and its slowest request (DDTree's vary with acceptance)",
     )
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--temperature", type=float, default=0.0)

@@ -10,7 +10,7 @@
 # (python -m ddserve.bench.engine_cpu --dtype float32).
 #
 #   bench/speculation.sh OUT [tests] [load] [sampled] [lossless]
-# env: PY (python3), DEVICE (cuda), TOKENS (128), DFLASH (a drafter directory; default the builtin one), LEVELS, REQ (32),
+# env: PY (python3), DEVICE (cuda), TOKENS (128), DFLASH (a drafter directory; default the builtin one), LEVELS, REQ (32), WAVES (8: requests per level >= WAVES x C),
 #      CONFIGS (the four above), TAG (prefix of the result names)
 set -u
 out=$1
@@ -21,6 +21,7 @@ device=${DEVICE:-cuda}
 tokens=${TOKENS:-128}
 levels=${LEVELS:-1,2,4,16,64}
 req=${REQ:-32}
+waves=${WAVES:-8}
 tag=${TAG:-spec}
 configs=${CONFIGS:-ar,dflash-b16k4@hosttree,dflash-b16k4,dflash-b16k4@adaptive}
 dflash=()
@@ -38,12 +39,12 @@ for part in $parts; do
         ;;
     load)
         $py -m ddserve.bench.engine_load --device $device --configs "$configs" "${dflash[@]}" \
-            --concurrency "$levels" --requests "$req" --max-tokens $tokens --prompt-set heldout:16 \
+            --concurrency "$levels" --requests "$req" --waves "$waves" --max-tokens $tokens --prompt-set heldout:16 \
             --name "$tag-load" --out "$out" 2>&1 | grep -v Warning
         ;;
     sampled)
         $py -m ddserve.bench.engine_load --device $device --configs "${configs/dflash-b16k4@hosttree,/}" \
-            "${dflash[@]}" --concurrency 1,2 --requests "$req" --max-tokens $tokens \
+            "${dflash[@]}" --concurrency 1,2 --requests "$req" --waves "$waves" --max-tokens $tokens \
             --prompt-set heldout:16 --temperature 1 --name "$tag-t1" --out "$out" 2>&1 | grep -v Warning
         ;;
     lossless)
