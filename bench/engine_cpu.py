@@ -49,6 +49,8 @@ REGISTRY = {
     "dflash-b8k1": ("dflash", 8, 1),
     "dflash-b8k2": ("dflash", 8, 2),
     "dflash-b16k4": ("dflash", 16, 4),
+    "dflash-b3k4": ("dflash", 3, 4),  # with b7k4: the adaptive candidates under b16k4
+    "dflash-b7k4": ("dflash", 7, 4),
     "dflash-b0": ("dflash", 0, 1),  # the DFlash engine at budget 0: AR rounds, same graphs
     "dflash-b32k4": ("dflash", 32, 4),
     "dflash-b64k8": ("dflash", 64, 8),
