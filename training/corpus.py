@@ -318,11 +318,12 @@ def stage_corpus(args, lm, work: Path) -> Corpus:
         return load_parts(work)
     t0 = time.time()
     budget = args.corpus_minutes * 60
-    sources = fixed_sources(args.seed, args.continuations)  # seconds of CPU: before the engine
+    seed = train_seed(args)
+    sources = fixed_sources(seed, args.continuations)  # seconds of CPU: before the engine
     with CorpusEngine(args, lm) as eng:
         held = heldout_set(eng, work)
         held_texts = {normalized(t) for t in held.meta["texts"]}
-        seeds = self_prompts.training_seeds(args.self_prompts, args.seed)
+        seeds = self_prompts.training_seeds(args.self_prompts, seed)
         now = time.time()  # writing gets its share of what the held-out set left
         deadline = now + args.write_share * max(0.0, t0 + budget - now)
         own = {"chat": "self_chat", "code": "self_code"}
@@ -338,7 +339,7 @@ def stage_corpus(args, lm, work: Path) -> Corpus:
             "gen_tokens": args.gen_tokens,
         }
         corpus = answer(
-            eng, plan, args.temperatures, args.gen_tokens, t0 + budget, args.seed, "answers", meta
+            eng, plan, args.temperatures, args.gen_tokens, t0 + budget, seed, "answers", meta
         )
     seconds = time.time() - t0
     if not len(corpus):  # not written: a later run would take it for a finished stage
@@ -352,6 +353,35 @@ def stage_corpus(args, lm, work: Path) -> Corpus:
         part_bytes=[p.stat().st_size for p in paths],
     )
     return corpus
+
+
+def train_seed(args) -> int:
+    """The seed of the training prompts and answers (--train-seed, else --seed); the held-out
+    set follows --seed alone, so runs of one --seed and several training seeds share it."""
+    return args.seed if args.train_seed is None else args.train_seed
+
+
+def with_earlier(corpus: Corpus, dirs: list[str], work: Path) -> Corpus:
+    """This run's corpus and the corpus parts in the work directories of earlier runs
+    (--corpus-from), less every answer of theirs whose prompt is one of this run's held-out
+    prompts token for token (runs of another --seed held other prompts out)."""
+    held = Corpus.load(work / "heldout.npz")
+    held_prompts = {tuple(held.prompt(p).tolist()) for p in range(len(held.prompt_source))}
+    parts = [corpus]
+    for d in dirs:
+        earlier = load_parts(Path(d))
+        keep = [
+            i
+            for i in range(len(earlier))
+            if tuple(earlier.prompt(int(earlier.answer_prompt[i])).tolist()) not in held_prompts
+        ]
+        log_json(
+            stage="corpus", earlier=str(d), answers=len(earlier), held_out=len(earlier) - len(keep)
+        )
+        parts.append(earlier.select(keep) if len(keep) < len(earlier) else earlier)
+    merged = Corpus.concat(parts)
+    merged.meta = {**corpus.meta, **summary(merged), "corpus_from": list(dirs)}
+    return merged
 
 
 def summary(corpus: Corpus) -> dict:

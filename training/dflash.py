@@ -5,7 +5,9 @@
 Stages (each writes into --work and is skipped when its output exists):
   corpus  the target writes prompts and answers them (greedy and T=1 samples) through
           ddserve's own engine, many requests in flight, within --corpus-minutes; held-out
-          sets first (training/corpus.py) -> heldout.npz, corpus-NNN.npz (training/corpus_store.py)
+          sets first (training/corpus.py) -> heldout.npz, corpus-NNN.npz (training/corpus_store.py);
+          --train-seed draws other training prompts under the same held-out set, and
+          --corpus-from adds earlier runs' corpora (less this run's held-out prompts)
   train   the drafter learns to predict the target's next L tokens from the target's hidden
           states: many blocks per sequence in one forward (each block sees the context before
           its root and itself, bidirectionally); cross-entropy weighted by depth; AdamW with
@@ -37,7 +39,13 @@ import torch.nn.functional as F
 
 from ddserve.engine.dflash import DFlashConfig, DFlashModel, block_weights, load_dflash, save_dflash
 from ddserve.engine.weights import load_model, to_hf
-from ddserve.training.corpus import CorpusEngine, heldout_set, stage_corpus, summary
+from ddserve.training.corpus import (
+    CorpusEngine,
+    heldout_set,
+    stage_corpus,
+    summary,
+    with_earlier,
+)
 from ddserve.training.corpus import log_json as log
 from ddserve.training.corpus_store import Corpus, load_parts, part_paths
 from ddserve.training.prompts import DOMAINS, EVAL_SETS, SOURCES
@@ -298,7 +306,9 @@ def parser() -> argparse.ArgumentParser:
     arg("--out", help="copy the trained drafter (model.safetensors + config.json) here")
     arg("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     arg("--stages", default="corpus,train,eval")
-    arg("--seed", type=int, default=0)
+    arg("--seed", type=int, default=0, help="the held-out set's seed (and the training's)")
+    arg("--train-seed", type=int, help="another seed for the training prompts and answers")
+    arg("--corpus-from", help="also train on the corpus parts of these earlier work dirs (a,b)")
     # corpus: what is generated
     arg("--prompts", type=int, default=100000, help="training prompts planned (the mix), at most")
     arg("--temperatures", type=lambda s: [float(x) for x in s.split(",")], default=[0.0, 1.0])
@@ -354,6 +364,8 @@ def main(argv=None) -> int:
     corpus = None
     if "corpus" in stages or "train" in stages:
         corpus = stage_corpus(args, lm, work)
+        if args.corpus_from:
+            corpus = with_earlier(corpus, args.corpus_from.split(","), work)
     elif part_paths(work):
         corpus = load_parts(work)  # for eval's train-distribution gap
     if "train" in stages:

@@ -54,3 +54,38 @@ def test_init_continues_a_drafter_and_refuses_another_shape(trained, tmp_path):
     with pytest.raises(SystemExit, match="config differs"):
         main([*TINY, "--work", str(trained), "--stages", "train", "--retrain", "--layers", "2",
               "--init", str(trained / "out")])  # fmt: skip
+
+
+def test_a_second_corpus_with_another_training_seed_joins_the_first(trained, tmp_path):
+    """--train-seed draws other training prompts under the same held-out set; --corpus-from
+    trains on both corpora, less any earlier answer to one of this run's held-out prompts."""
+    from ddserve.training.corpus import summary, with_earlier
+
+    work = tmp_path / "second"
+    assert main([*TINY, "--work", str(work), "--train-seed", "1", "--stages", "corpus"]) == 0
+    first, second = load_parts(trained), load_parts(work)
+    held = Corpus.load(work / "heldout.npz")
+    assert (
+        held.prompt_tokens.tolist() == Corpus.load(trained / "heldout.npz").prompt_tokens.tolist()
+    )
+
+    def prompts(c):
+        return [tuple(c.prompt(int(c.answer_prompt[i])).tolist()) for i in range(len(c))]
+
+    assert prompts(first) != prompts(second)  # other training prompts
+    # an earlier corpus that answered one of this run's held-out prompts: that answer goes
+    leak = Corpus.build(
+        [held.prompt(0).tolist(), [5, 6, 7]], ["self_chat", "self_chat"],
+        [(0, [1, 2, 3], 0.0), (1, [4, 5], 0.0), (1, [4, 6], 1.0)], first.answer_tokens.dtype.type,
+    )  # fmt: skip
+    leak.save(tmp_path / "corpus-000.npz")
+    merged = with_earlier(second, [str(trained), str(tmp_path)], work)
+    assert len(merged) == len(second) + len(first) + 2
+    assert merged.meta["answer_tokens"] == second.answer_token_count + first.answer_token_count + 4
+    held_prompts = set(prompts(held))
+    assert not held_prompts & set(prompts(merged))
+    # and the trainer takes it as its corpus
+    args = [*TINY, "--work", str(work), "--stages", "train", "--max-steps", "1"]
+    assert main([*args, "--corpus-from", f"{trained},{tmp_path}"]) == 0
+    meta = json.loads((work / "drafter" / "config.json").read_text())["training"]
+    assert meta["corpus_by_source"] == summary(merged)["by_source"]
