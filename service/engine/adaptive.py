@@ -26,7 +26,12 @@ the GPU and the prompts, so it is measured, not configured:
     smaller tree would have been drafted with a shorter block: theirs is an estimate.
 
 A round picks the candidate with the most tokens per second, gain(b) / time[bucket, b].
-At a new batch bucket every candidate runs twice first (the first round of a shape may pay
+The engine's start-up cost model (`prior`: real rounds of every candidate at every batch
+bucket, on throw-away prompts, StaticEngine.round_times) gives every time a first estimate,
+so a batch bucket met for the first time needs no rounds of its own to choose; gains come
+from live rounds only, so until a candidate's is known the largest such is drafted (at most
+twice: its round teaches every smaller one's). Without a prior, at a new batch bucket every
+candidate runs twice first (the first round of a shape may pay
 for warming it up: its time is replaced by the second's); after that another candidate is
 re-tried every `interval` rounds of that bucket, an interval that doubles while the best
 holds (16 .. 1024 rounds) and starts over when it changes: the best that just lost, else
@@ -86,6 +91,14 @@ class SpecPolicy:
     inc: dict[int, float] = field(default_factory=dict)  # candidate -> its increment
     buckets: dict[int, _Bucket] = field(default_factory=dict)
     samples: dict[tuple[int, int], int] = field(default_factory=dict)
+    tries: dict[int, int] = field(default_factory=dict)  # budget -> its rounds, any bucket
+
+    def prior(self, batch: int, budget: int, seconds: float) -> None:
+        """A start-up measurement of a round of `budget` at `batch` requests: its first time
+        estimate there, worth the first samples (live rounds then average into it)."""
+        key = (size_bucket(batch), budget)
+        self.time[key] = seconds
+        self.samples[key] = max(self.samples.get(key, 0), FIRST_SAMPLES)
 
     def choose(self, batch: int, ceiling: int) -> int:
         """The budget of a round of `batch` requests under the live ceiling."""
@@ -96,6 +109,10 @@ class SpecPolicy:
         for b in cands:  # measure every candidate at this size first
             if self.samples.get((key, b), 0) < FIRST_SAMPLES:
                 return b
+        # gains come from drafting rounds: the largest candidate not yet known, a few times
+        unknown = [b for b in cands if not self.known(b) and self.tries.get(b, 0) < FIRST_SAMPLES]
+        if unknown:
+            return unknown[-1]
         # those whose rounds never succeeded anywhere have no gain: not candidates here
         cands = [b for b in cands if self.known(b)] or [0]
         st = self.buckets.setdefault(key, _Bucket())
@@ -120,6 +137,8 @@ class SpecPolicy:
                 or self.time[(key, b)] <= 2 * self.time[(key, best)]
             )
         ] or [b for b in cands if b != best]
+        if not others:  # budget 0 alone (every drafting budget failed): nothing to re-try
+            return best
         st.cursor += 1
         if st.previous in others:  # the one that just lost: it may have lost to noise
             st.trying, st.previous = st.previous, None
@@ -144,6 +163,7 @@ class SpecPolicy:
         """What a round of `batch` requests at `budget` took, and the accepted paths (node
         indices, ascending) of the requests it served."""
         key = (size_bucket(batch), budget)
+        self.tries[budget] = self.tries.get(budget, 0) + 1
         st = self.buckets.get(key[0])
         retry = st is not None and st.trying == budget
         n = self.samples[key] = self.samples.get(key, 0) + 1
@@ -165,6 +185,7 @@ class SpecPolicy:
         fails (out of memory, say) is not chosen over and over; a later re-try measures it."""
         key = (size_bucket(batch), budget)
         self.samples[key] = self.samples.get(key, 0) + 1
+        self.tries[budget] = self.tries.get(budget, 0) + 1
         times = [t for (k, _), t in self.time.items() if k == key[0]]
         self.time[key] = CLIP * max(times + [self.time.get(key, 0.0), 1e-3])
 

@@ -186,6 +186,16 @@ class EngineRunner:
         spent = self.engine.warm_up(params, budgets=budgets)  # part of readiness
         if spent:
             log.info("warm-up: %d CUDA graphs captured in %.1fs", self.engine.graph_count, spent)
+        if self.policy is not None:  # its start-up cost model: every candidate at every batch
+            t0 = time.perf_counter()
+            times = self.engine.round_times(params, budgets)
+            for (batch, budget), seconds in times.items():
+                self.policy.prior(batch, budget, seconds)
+            log.info(
+                "adaptive speculation: %d round times measured in %.1fs",
+                len(times),
+                time.perf_counter() - t0,
+            )
         self._fingerprint = self.config.fingerprint()
         # a real generation before ready, through prefill and a few rounds: on a CPU the first
         # use of each kernel shape costs ~0.5 s (no graphs there to capture), paid here rather

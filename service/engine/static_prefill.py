@@ -8,10 +8,13 @@ their KV slots, and the CUDA graphs captured at start-up.
     CUDA graph is padded to that shape (fixed widths, power-of-two rows); any other runs
     without a graph, exactly as wide as its tokens (StaticTarget.prefill_eager)
   * warm-up: every graph the live parameters use, on inputs that touch only guard entries
+  * round times: real rounds of given budgets at every batch size of the graphs, on
+    throw-away prompts (adaptive speculation's start-up cost model)
 """
 
 from __future__ import annotations
 
+import statistics
 import time
 
 import numpy as np
@@ -19,6 +22,7 @@ import torch
 
 from ddserve.config.engine import MAX_TOPK, LiveParams
 from ddserve.engine.drafters import NoDrafter
+from ddserve.engine.sampling import SamplingParams
 from ddserve.engine.sequence import Sequence
 from ddserve.engine.static import next_bucket
 from ddserve.engine.static_models import FRESH_CTX, pack_draft, pack_target
@@ -307,3 +311,41 @@ class Prefill:
                     self.sdraft.forward(packed, (b, depth, ctx, *rest))
         torch.cuda.synchronize()
         return time.perf_counter() - t0
+
+    @torch.inference_mode()
+    def round_times(
+        self, params: LiveParams, budgets: list[int], rounds: int = 3, prompt_tokens: int = 16
+    ) -> dict[tuple[int, int], float]:
+        """{(batch, budget): seconds}: the median wall time of `rounds` real rounds (after an
+        untimed one) of `batch` throw-away greedy requests at each budget, for every batch
+        size the graphs are captured for, draft, verify, accept and the host's work
+        included. Their KV slots are free again after; a pool whose slots cannot hold that
+        many rounds of the largest budget is not measured ({})."""
+        rows = 1 + rounds
+        need = prompt_tokens + rows * len(budgets) * (max(budgets) + 1)
+        if need > self.pool.usable:
+            return {}
+        prompt = [self.model.cfg.bos_token_id or 0] * prompt_tokens
+        sampling = SamplingParams(max_tokens=self.pool.usable, ignore_eos=True)
+        out = {}
+        for batch in bucket_sizes(self.pool.slots):
+            if self.pool.free < batch:  # slots taken by requests: not the time to measure
+                break
+            seqs = [self.new_sequence(prompt, sampling) for _ in range(batch)]
+            try:
+                self.prefill_batch(seqs)
+                for budget in budgets:
+                    p = params.model_copy(update={"budget": budget})
+                    times = []
+                    for i in range(rows):
+                        t0 = time.perf_counter()
+                        for new in self.step_batch(seqs, p):
+                            if isinstance(new, Exception):
+                                raise new
+                        if i:
+                            times.append(time.perf_counter() - t0)
+                    out[(batch, budget)] = statistics.median(times)
+            finally:
+                for seq in seqs:
+                    self.release(seq)
+        return out
