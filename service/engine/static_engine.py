@@ -270,18 +270,21 @@ class StaticEngine(Prefill, Drafting):
         wpos = np.tile(np.arange(self.pool.max_len - w, self.pool.max_len), (b, 1))
         lens = np.zeros(b, dtype=np.int64)
         tree_m = None if on_device else np.tile(np.eye(w, dtype=bool), (b, 1, 1))
-        longest = 0
-        for i, seq in enumerate(seqs):
-            slot, n0 = seq.cache.slot, seq.cache.length
-            if not on_device:
-                tree = drafted[i]
+        slots = [seq.cache.slot for seq in seqs]
+        starts = np.array([seq.cache.length for seq in seqs], dtype=np.int64)
+        wpos[slots] = starts[:, None] + np.arange(w)
+        lens[slots] = starts
+        longest = int(starts.max()) + w
+        if not on_device:
+            for slot, n0, tree in zip(slots, starts.tolist(), drafted, strict=True):
+                if tree.size == 1:  # the root alone (plain decoding): the eye's row, depth 0
+                    tokens[slot, 0], pos[slot, 0] = tree.tokens[0], n0
+                    continue
                 tokens[slot, : tree.size] = tree.tokens
                 pos[slot, : tree.size] = n0 + np.asarray(tree.depths)
                 tree_m[slot] = ancestor_mask(tree, w)
-            wpos[slot] = n0 + np.arange(w)
-            lens[slot] = n0
-            longest = max(longest, n0 + w)
-            seq.cache.reserve(sizes[i])
+        for seq, n in zip(seqs, sizes, strict=True):
+            seq.cache.reserve(n)
         ctx = self.target.ctx_bucket(longest)
         # trees from the GPU bring their own mask (the packed inputs stop before it)
         packed = pack_target(tokens, pos, wpos, lens, np.arange(b), None if on_device else tree_m)
@@ -314,12 +317,15 @@ class StaticEngine(Prefill, Drafting):
         t3 = time.perf_counter()
         # decide every sequence's path first (no state changes: a failure here is its own)
         decided: list[tuple[list[int], int] | Exception] = []
+        # every row's flags at once; a request's own rows only where some row failed
+        finite = bool(top[1].all())
+        drawn = top.shape[0] < 3 or bool(top[2].all())
         for seq, tree in zip(seqs, trees, strict=True):
             r0 = seq.cache.slot * w
             try:
-                if not top[1, r0 : r0 + tree.size].all():
+                if not finite and not top[1, r0 : r0 + tree.size].all():
                     raise EngineError("the target produced non-finite logits (broken weights?)")
-                if not seq.sampling.greedy and not top[2, r0 : r0 + tree.size].all():
+                if not (drawn or seq.sampling.greedy) and not top[2, r0 : r0 + tree.size].all():
                     raise EngineError(
                         "sampling found no finite distribution at this request's temperature, "
                         "top_p and top_k"
