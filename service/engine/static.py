@@ -125,14 +125,16 @@ class KVPool:
         return torch.arange(self.max_len - w, self.max_len)
 
     @torch.inference_mode()
-    def move(self, slots: list[int], dst: list[int], src: list[int]) -> None:
+    def move(self, slots, dst, src) -> None:
         """Copy entries src -> dst within their slots, all layers at once (the accepted path
-        of a tree moves next to the committed prefix). dst <= src, gathered before written."""
-        if not slots:
+        of a tree moves next to the committed prefix). dst <= src, gathered before written.
+        Lists of ints, or int64 tensors already on the pool's device."""
+        if not len(slots):
             return
-        dev = self.k.device
-        s = torch.tensor(slots, device=dev)
-        d, r = torch.tensor(dst, device=dev), torch.tensor(src, device=dev)
+        if not isinstance(slots, torch.Tensor):  # else: index tensors on the pool's device
+            dev = self.k.device
+            slots, dst, src = torch.tensor(np.array([slots, dst, src], dtype=np.int64)).to(dev)
+        s, d, r = slots, dst, src
         for buf in (self.k, self.v):
             buf[:, s, :, d] = buf[:, s, :, r]
 

@@ -369,15 +369,16 @@ class StaticEngine(Prefill, Drafting):
                 src += [slot * w + i for i in keep]
                 at = slot * self.sdraft.new_rows + seq.pending
                 dst += [at + j for j in range(len(keep))]
-        self.pool.move(*moves)
-        if src:  # copied out now: the next forward of this shape overwrites `taps`
-            dev = taps.device
+        # every index of the moves in one host->device copy
+        n, m = len(moves[0]), len(dst)
+        if n or m:
+            idx = np.array([*moves[0], *moves[1], *moves[2], *dst, *src], np.int64)
+            idx = torch.from_numpy(idx).to(self.pool.k.device)
+            self.pool.move(idx[:n], idx[n : 2 * n], idx[2 * n : 3 * n])
+        if m:  # copied out now: the next forward of this shape overwrites `taps`
             feats = self.sdraft.feats.flatten(0, 1)
-            feats.index_copy_(
-                0,
-                torch.tensor(dst, device=dev),
-                taps.index_select(0, torch.tensor(src, device=dev)),
-            )
+            at = 3 * n
+            feats.index_copy_(0, idx[at : at + m], taps.index_select(0, idx[at + m :]))
         # commit: host state only
         out: list[Outcome] = []
         for seq, tree, d in zip(seqs, trees, decided, strict=True):
