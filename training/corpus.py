@@ -361,22 +361,51 @@ def train_seed(args) -> int:
     return args.seed if args.train_seed is None else args.train_seed
 
 
-def with_earlier(corpus: Corpus, dirs: list[str], work: Path) -> Corpus:
+def with_earlier(corpus: Corpus, dirs: list[str], work: Path, tokenizer) -> Corpus:
     """This run's corpus and the corpus parts in the work directories of earlier runs
-    (--corpus-from), less every answer of theirs whose prompt is one of this run's held-out
-    prompts token for token (runs of another --seed held other prompts out)."""
+    (--corpus-from) of the same target, less every answer of theirs to one of this run's
+    held-out prompts (compared as texts are within a run: decoded, `normalized`; runs of
+    another --seed held other prompts out) and every greedy answer to a prompt already
+    answered greedily (the fixed sources come back in every run: the same answer twice)."""
+
+    def key(c: Corpus, p: int) -> tuple[int, ...]:
+        return tuple(c.prompt(p).tolist())
+
+    def text(c: Corpus, p: int) -> str:
+        return normalized(tokenizer.decode(c.prompt(p).tolist()))
+
     held = Corpus.load(work / "heldout.npz")
-    held_prompts = {tuple(held.prompt(p).tolist()) for p in range(len(held.prompt_source))}
-    parts = [corpus]
+    held_texts = {text(held, p) for p in range(len(held.prompt_source))}
+    greedy = {key(corpus, int(corpus.answer_prompt[i])) for i in corpus.indices(temperature=0.0)}
+    parts, used = [corpus], {Path(work).resolve()}
     for d in dirs:
+        if Path(d).resolve() in used:
+            continue  # the same corpus twice
+        used.add(Path(d).resolve())
         earlier = load_parts(Path(d))
-        keep = [
-            i
-            for i in range(len(earlier))
-            if tuple(earlier.prompt(int(earlier.answer_prompt[i])).tolist()) not in held_prompts
-        ]
+        if earlier.meta.get("model") != corpus.meta.get("model"):
+            raise SystemExit(
+                f"--corpus-from {d}: its corpus is of {earlier.meta.get('model')!r}, "
+                f"this run's of {corpus.meta.get('model')!r}"
+            )
+        held_out = {p for p in range(len(earlier.prompt_source)) if text(earlier, p) in held_texts}
+        keep, dup = [], 0
+        for i in range(len(earlier)):
+            p = int(earlier.answer_prompt[i])
+            if p in held_out:
+                continue
+            if earlier.answer_temperature[i] == 0.0:
+                if key(earlier, p) in greedy:
+                    dup += 1
+                    continue
+                greedy.add(key(earlier, p))
+            keep.append(i)
         log_json(
-            stage="corpus", earlier=str(d), answers=len(earlier), held_out=len(earlier) - len(keep)
+            stage="corpus",
+            earlier=str(d),
+            answers=len(earlier),
+            held_out=sum(int(earlier.answer_prompt[i]) in held_out for i in range(len(earlier))),
+            greedy_repeats=dup,
         )
         parts.append(earlier.select(keep) if len(keep) < len(earlier) else earlier)
     merged = Corpus.concat(parts)

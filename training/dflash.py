@@ -365,7 +365,7 @@ def main(argv=None) -> int:
     if "corpus" in stages or "train" in stages:
         corpus = stage_corpus(args, lm, work)
         if args.corpus_from:
-            corpus = with_earlier(corpus, args.corpus_from.split(","), work)
+            corpus = with_earlier(corpus, args.corpus_from.split(","), work, lm.tokenizer)
     elif part_paths(work):
         corpus = load_parts(work)  # for eval's train-distribution gap
     if "train" in stages:

@@ -30,7 +30,7 @@ The engine's start-up cost model (`prior`: real rounds of every candidate at eve
 bucket, on throw-away prompts, StaticEngine.round_times) gives every time a first estimate,
 so a batch bucket met for the first time needs no rounds of its own to choose; gains come
 from live rounds only, so until a candidate's is known the largest such is drafted (at most
-twice: its round teaches every smaller one's). Without a prior, at a new batch bucket every
+twice at a batch size: its round teaches every smaller one's). Without a prior, at a new batch bucket every
 candidate runs twice first (the first round of a shape may pay
 for warming it up: its time is replaced by the second's); after that another candidate is
 re-tried every `interval` rounds of that bucket, an interval that doubles while the best
@@ -91,7 +91,7 @@ class SpecPolicy:
     inc: dict[int, float] = field(default_factory=dict)  # candidate -> its increment
     buckets: dict[int, _Bucket] = field(default_factory=dict)
     samples: dict[tuple[int, int], int] = field(default_factory=dict)
-    tries: dict[int, int] = field(default_factory=dict)  # budget -> its rounds, any bucket
+    tries: dict[tuple[int, int], int] = field(default_factory=dict)  # rounds, ok or not
 
     def prior(self, batch: int, budget: int, seconds: float) -> None:
         """A start-up measurement of a round of `budget` at `batch` requests: its first time
@@ -110,7 +110,10 @@ class SpecPolicy:
             if self.samples.get((key, b), 0) < FIRST_SAMPLES:
                 return b
         # gains come from drafting rounds: the largest candidate not yet known, a few times
-        unknown = [b for b in cands if not self.known(b) and self.tries.get(b, 0) < FIRST_SAMPLES]
+        # at each batch size (one that fails at 64 requests may work at 1)
+        unknown = [
+            b for b in cands if not self.known(b) and self.tries.get((key, b), 0) < FIRST_SAMPLES
+        ]
         if unknown:
             return unknown[-1]
         # those whose rounds never succeeded anywhere have no gain: not candidates here
@@ -163,7 +166,7 @@ class SpecPolicy:
         """What a round of `batch` requests at `budget` took, and the accepted paths (node
         indices, ascending) of the requests it served."""
         key = (size_bucket(batch), budget)
-        self.tries[budget] = self.tries.get(budget, 0) + 1
+        self.tries[key] = self.tries.get(key, 0) + 1
         st = self.buckets.get(key[0])
         retry = st is not None and st.trying == budget
         n = self.samples[key] = self.samples.get(key, 0) + 1
@@ -185,7 +188,7 @@ class SpecPolicy:
         fails (out of memory, say) is not chosen over and over; a later re-try measures it."""
         key = (size_bucket(batch), budget)
         self.samples[key] = self.samples.get(key, 0) + 1
-        self.tries[budget] = self.tries.get(budget, 0) + 1
+        self.tries[key] = self.tries.get(key, 0) + 1
         times = [t for (k, _), t in self.time.items() if k == key[0]]
         self.time[key] = CLIP * max(times + [self.time.get(key, 0.0), 1e-3])
 

@@ -14,6 +14,7 @@ their KV slots, and the CUDA graphs captured at start-up.
 
 from __future__ import annotations
 
+import logging
 import statistics
 import time
 
@@ -26,6 +27,8 @@ from ddserve.engine.sampling import SamplingParams
 from ddserve.engine.sequence import Sequence
 from ddserve.engine.static import next_bucket
 from ddserve.engine.static_models import FRESH_CTX, pack_draft, pack_target
+
+log = logging.getLogger(__name__)
 
 PREFILL_CHUNKS = (16, 64, 256)  # prompt chunk widths, sdpa (it reads a padded key range)
 # with the triton kernel; 512: a paced budget between 512 and 1,023 tokens fills half of it
@@ -317,24 +320,25 @@ class Prefill:
         self, params: LiveParams, budgets: list[int], rounds: int = 3, prompt_tokens: int = 16
     ) -> dict[tuple[int, int], float]:
         """{(batch, budget): seconds}: the median wall time of `rounds` real rounds (after an
-        untimed one) of `batch` throw-away greedy requests at each budget, for every batch
-        size the graphs are captured for, draft, verify, accept and the host's work
-        included. Their KV slots are free again after; a pool whose slots cannot hold that
-        many rounds of the largest budget is not measured ({})."""
+        untimed one) of `batch` throw-away greedy requests at each budget, fresh ones for each
+        (every budget at the same short context), for every batch size the graphs are captured
+        for; draft, verify, accept and the host's work included. Their KV slots are free again
+        after. A failure (out of memory at the largest shapes, say) ends the measurement there:
+        what was measured before it is returned. Nothing if a slot cannot hold the rounds."""
         rows = 1 + rounds
-        need = prompt_tokens + rows * len(budgets) * (max(budgets) + 1)
-        if need > self.pool.usable:
+        if prompt_tokens + rows * (max(budgets) + 1) > self.pool.usable:
             return {}
         prompt = [self.model.cfg.bos_token_id or 0] * prompt_tokens
         sampling = SamplingParams(max_tokens=self.pool.usable, ignore_eos=True)
         out = {}
         for batch in bucket_sizes(self.pool.slots):
-            if self.pool.free < batch:  # slots taken by requests: not the time to measure
-                break
-            seqs = [self.new_sequence(prompt, sampling) for _ in range(batch)]
-            try:
-                self.prefill_batch(seqs)
-                for budget in budgets:
+            for budget in budgets:
+                if self.pool.free < batch:  # slots taken by requests: not the time to measure
+                    return out
+                seqs = []
+                try:
+                    seqs += [self.new_sequence(prompt, sampling) for _ in range(batch)]
+                    self.prefill_batch(seqs)
                     p = params.model_copy(update={"budget": budget})
                     times = []
                     for i in range(rows):
@@ -345,7 +349,12 @@ class Prefill:
                         if i:
                             times.append(time.perf_counter() - t0)
                     out[(batch, budget)] = statistics.median(times)
-            finally:
-                for seq in seqs:
-                    self.release(seq)
+                except Exception as exc:  # noqa: BLE001 - a measurement, never the start
+                    log.warning(
+                        "round times: stopped at %d requests, budget %d: %s", batch, budget, exc
+                    )
+                    return out
+                finally:
+                    for seq in seqs:
+                        self.release(seq)
         return out

@@ -255,6 +255,19 @@ def test_every_drafting_budget_failing_leaves_plain_rounds():
     assert chosen[-300:] == [0] * 300
 
 
+def test_a_budget_that_failed_at_one_batch_size_is_still_tried_at_another():
+    """Primed; the ceiling's first rounds fail at 64 requests (out of memory, say) before it
+    ever succeeded: at 1 request, where it works, it is still measured (its gain becomes
+    known), and the policy settles on the best there."""
+    world, policy = World(0.9), primed(World(0.9))
+    for _ in range(2):
+        assert policy.choose(64, 16) == 16
+        policy.failed(64, 16)
+    chosen = drive(policy, world, 1, 16, 300)
+    assert 16 in chosen[:10] and policy.known(16)
+    assert chosen[-100:].count(world.best(1, 16)) >= 95
+
+
 def test_a_budget_whose_rounds_always_fail_is_left_alone():
     """Rounds at 15 and 16 raise every time at 64 requests (out of memory, say; the runner
     then serves their requests one by one): after its first tries the policy stops choosing

@@ -58,9 +58,14 @@ def test_init_continues_a_drafter_and_refuses_another_shape(trained, tmp_path):
 
 def test_a_second_corpus_with_another_training_seed_joins_the_first(trained, tmp_path):
     """--train-seed draws other training prompts under the same held-out set; --corpus-from
-    trains on both corpora, less any earlier answer to one of this run's held-out prompts."""
+    trains on both corpora, less any earlier answer to one of this run's held-out prompts
+    (by normalized text) and any greedy answer to a prompt already answered greedily; a
+    directory given twice counts once; a corpus of another target is refused."""
+    from ddserve.engine.weights import load_model
     from ddserve.training.corpus import summary, with_earlier
+    from ddserve.training.prompts import normalized
 
+    tok = load_model("tiny-random").tokenizer
     work = tmp_path / "second"
     assert main([*TINY, "--work", str(work), "--train-seed", "1", "--stages", "corpus"]) == 0
     first, second = load_parts(trained), load_parts(work)
@@ -69,23 +74,37 @@ def test_a_second_corpus_with_another_training_seed_joins_the_first(trained, tmp
         held.prompt_tokens.tolist() == Corpus.load(trained / "heldout.npz").prompt_tokens.tolist()
     )
 
-    def prompts(c):
-        return [tuple(c.prompt(int(c.answer_prompt[i])).tolist()) for i in range(len(c))]
+    def prompts(c, temperature=None):
+        return [
+            tuple(c.prompt(int(c.answer_prompt[i])).tolist())
+            for i in c.indices(temperature=temperature)
+        ]
 
     assert prompts(first) != prompts(second)  # other training prompts
-    # an earlier corpus that answered one of this run's held-out prompts: that answer goes
+    # an earlier corpus that answered one of this run's held-out prompts (in other case and
+    # spacing): that answer goes; its other prompt's greedy and sampled answers stay
+    shouted = tok.encode(tok.decode(held.prompt(0).tolist()).upper().replace(" ", "  "))
     leak = Corpus.build(
-        [held.prompt(0).tolist(), [5, 6, 7]], ["self_chat", "self_chat"],
+        [shouted, [5, 6, 7]], ["self_chat", "self_chat"],
         [(0, [1, 2, 3], 0.0), (1, [4, 5], 0.0), (1, [4, 6], 1.0)], first.answer_tokens.dtype.type,
+        meta={"model": "tiny-random"},
     )  # fmt: skip
     leak.save(tmp_path / "corpus-000.npz")
-    merged = with_earlier(second, [str(trained), str(tmp_path)], work)
-    assert len(merged) == len(second) + len(first) + 2
-    assert merged.meta["answer_tokens"] == second.answer_token_count + first.answer_token_count + 4
-    held_prompts = set(prompts(held))
-    assert not held_prompts & set(prompts(merged))
+    merged = with_earlier(second, [str(trained), str(trained), str(tmp_path)], work, tok)
+    held_texts = {normalized(tok.decode(list(p))) for p in prompts(held)}
+    assert not held_texts & {normalized(tok.decode(list(p))) for p in prompts(merged)}
+    assert len(prompts(merged, 0.0)) == len(set(prompts(merged, 0.0)))  # no greedy repeats
+    sampled = len(prompts(second, 1.0)) + len(prompts(first, 1.0)) + 1  # every sampled one
+    assert len(prompts(merged, 1.0)) == sampled
+    assert (5, 6, 7) in prompts(merged, 0.0) and len(merged) > len(second)
     # and the trainer takes it as its corpus
     args = [*TINY, "--work", str(work), "--stages", "train", "--max-steps", "1"]
     assert main([*args, "--corpus-from", f"{trained},{tmp_path}"]) == 0
     meta = json.loads((work / "drafter" / "config.json").read_text())["training"]
     assert meta["corpus_by_source"] == summary(merged)["by_source"]
+    other = tmp_path / "other"
+    other.mkdir()
+    Corpus.build([[5, 6]], ["self_chat"], [(0, [4], 0.0)], first.answer_tokens.dtype.type,
+                 meta={"model": "smollm2-135m"}).save(other / "corpus-000.npz")  # fmt: skip
+    with pytest.raises(SystemExit, match="smollm2-135m"):
+        with_earlier(second, [str(other)], work, tok)
