@@ -188,11 +188,7 @@ class EngineRunner:
             log.info("warm-up: %d CUDA graphs captured in %.1fs", self.engine.graph_count, spent)
         if self.policy is not None:  # its start-up cost model: every candidate at every batch
             t0 = time.perf_counter()
-            try:
-                times = self.engine.round_times(params, budgets)
-            except Exception:  # noqa: BLE001 - a missing prior costs exploration, not the start
-                log.exception("adaptive speculation: round times not measured")
-                times = {}
+            times = self.engine.round_times(params, budgets)  # a failure ends it, not the start
             for (batch, budget), seconds in times.items():
                 self.policy.prior(batch, budget, seconds)
             log.info(

@@ -337,7 +337,8 @@ class Prefill:
                     return out
                 seqs = []
                 try:
-                    seqs += [self.new_sequence(prompt, sampling) for _ in range(batch)]
+                    for _ in range(batch):  # each one kept as it is made: all are released
+                        seqs.append(self.new_sequence(prompt, sampling))
                     self.prefill_batch(seqs)
                     p = params.model_copy(update={"budget": budget})
                     times = []

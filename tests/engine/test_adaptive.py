@@ -283,3 +283,24 @@ def test_a_budget_whose_rounds_always_fail_is_left_alone():
             policy.record(64, b, world.seconds(64, b), world.paths(b))
     assert sum(b >= 15 for b in chosen) <= 20
     assert chosen[-500:].count(0) >= 490
+
+
+def test_round_times_keep_what_they_measured_and_free_every_slot():
+    """A failure part-way (no slot for the 3rd request of a batch of 4, say) ends the start-up
+    measurement: the smaller batches' times are kept and every slot taken is free again."""
+    from ddserve.config.engine import LiveParams
+    from ddserve.engine.build import build_engine
+
+    cfg = EngineConfig(model="tiny-random", device="cpu", max_batch=4, drafter={"kind": "ngram"})
+    eng, _, _ = build_engine(cfg, None)
+    make, made = eng.new_sequence, []
+
+    def failing(prompt, sampling):
+        if len(made) == 2 + 4 + 2:  # batches 1 and 2 at both budgets, then 2 of batch 4
+            raise RuntimeError("no slot")
+        made.append(1)
+        return make(prompt, sampling)
+
+    eng.new_sequence = failing
+    times = eng.round_times(LiveParams(budget=3, topk=2), [0, 3])
+    assert set(times) == {(1, 0), (1, 3), (2, 0), (2, 3)} and eng.free_slots == 4
