@@ -379,9 +379,9 @@ def with_earlier(corpus: Corpus, dirs: list[str], work: Path, tokenizer) -> Corp
     greedy = {key(corpus, int(corpus.answer_prompt[i])) for i in corpus.indices(temperature=0.0)}
     parts, used = [corpus], {Path(work).resolve()}
     for d in dirs:
-        if Path(d).resolve() in used:
+        if (path := Path(d).resolve()) in used:
             continue  # the same corpus twice
-        used.add(Path(d).resolve())
+        used.add(path)
         earlier = load_parts(Path(d))
         if earlier.meta.get("model") != corpus.meta.get("model"):
             raise SystemExit(
@@ -389,22 +389,23 @@ def with_earlier(corpus: Corpus, dirs: list[str], work: Path, tokenizer) -> Corp
                 f"this run's of {corpus.meta.get('model')!r}"
             )
         held_out = {p for p in range(len(earlier.prompt_source)) if text(earlier, p) in held_texts}
-        keep, dup = [], 0
+        keep, dropped, dup = [], 0, 0
         for i in range(len(earlier)):
             p = int(earlier.answer_prompt[i])
             if p in held_out:
+                dropped += 1
                 continue
             if earlier.answer_temperature[i] == 0.0:
-                if key(earlier, p) in greedy:
+                if (k := key(earlier, p)) in greedy:
                     dup += 1
                     continue
-                greedy.add(key(earlier, p))
+                greedy.add(k)
             keep.append(i)
         log_json(
             stage="corpus",
             earlier=str(d),
             answers=len(earlier),
-            held_out=sum(int(earlier.answer_prompt[i]) in held_out for i in range(len(earlier))),
+            held_out=dropped,
             greedy_repeats=dup,
         )
         parts.append(earlier.select(keep) if len(keep) < len(earlier) else earlier)
