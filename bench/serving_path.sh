@@ -4,11 +4,12 @@
 # measured three ways at the same concurrency levels, the same prompts and answer lengths:
 #   inproc  the engine runner in the load generator's process (no HTTP): python -m ddserve.bench.engine_load
 #   http    `ddserve engine` (API process + engine core process) + `ddserve bench`
+#   http-asc  the same with `--api-server-count $API_SERVERS` (4): API processes over one core
 #   ray     `ddserve up` (Serve, one replica; http.ingress proxy and haproxy) + `ddserve bench`
 # AR is the same engine with budget 0 (`/admin/params`, `ddserve reconfig set`), so every
 # path runs the same weights and graphs.
 #
-#   bench/serving_path.sh OUT [inproc] [http] [http-ref] [ray-proxy] [ray-haproxy]
+#   bench/serving_path.sh OUT [inproc] [http] [http-asc] [http-ref] [ray-proxy] [ray-haproxy]
 # env: PY (python), LEVELS (1,16,64,128), REQ (requests per level, at least 2C is used),
 #      DEVICE (cuda), MAXB (KV slots: the largest level), PROMPTS (mixed),
 #      BUDGETS ("16 0": DDTree b16/k4, then AR; "0": AR only),
@@ -53,12 +54,14 @@ for part in $parts; do
             --spec-max-batch 2 --concurrency "$levels" --requests "$req" --max-tokens "$tokens" \
             --prompt-set "$prompts" --name inproc --out "$out"
         ;;
-    http | http-ref)
+    http | http-ref | http-asc)
         port=30111
         pp=${PYTHONPATH:-}
         [ $part = http-ref ] && pp=${REF_PYTHONPATH:?http-ref needs REF_PYTHONPATH}:$pp
+        asc=()
+        [ $part = http-asc ] && asc=(--api-server-count "${API_SERVERS:-4}")
         PYTHONPATH=$pp $py -m ddserve engine --port $port --device "$device" --drafter dflash \
-            --budget 16 --topk 4 --max-batch "$maxb" --spec-max-batch 2 >"$out/$part-engine.log" 2>&1 &
+            --budget 16 --topk 4 --max-batch "$maxb" --spec-max-batch 2 "${asc[@]}" >"$out/$part-engine.log" 2>&1 &
         pid=$!
         if wait_url "http://127.0.0.1:$port" "$pid"; then
             echo "$part: engine ready after ${SECONDS}s"

@@ -67,6 +67,7 @@ def create_app(
     stats_interval_s: float | None = None,
     api_key: str | None = None,
     stream_interval: int = 1,
+    api_server: tuple[int, int] = (0, 1),
 ) -> FastAPI:
     """The OpenAI API over any backend (ddserve.api.backend.Backend: the contract), under
     `limits` (ddserve.api.limits: body size, deadline, admission); with `api_key`, /v1/* and
@@ -77,7 +78,9 @@ def create_app(
     served at GET /metrics (the engine server); a `MeteredBackend` passed in keeps its own
     exporter (a Ray replica: Ray's metrics agent exports it). `access_log` (default: env
     DDSERVE_ACCESS_LOG=1) logs one line per HTTP request; a stats line is logged every
-    `stats_interval_s` while there is work (default: env DDSERVE_STATS_INTERVAL or 10; 0 = off)."""
+    `stats_interval_s` while there is work (default: env DDSERVE_STATS_INTERVAL or 10; 0 = off).
+    `api_server`: (this process's index, how many API processes the server runs), said by
+    /server_info (ddserve.cli.api_server)."""
     limits = limits or ServerLimits()
     if access_log is None:
         access_log = os.environ.get("DDSERVE_ACCESS_LOG", "").lower() in ("1", "true", "yes", "on")
@@ -93,6 +96,7 @@ def create_app(
             load=engine_load(backend),
             record_reconfig=True,
         )
+    index, count = api_server
     stats = StatsLog(backend, stats_interval_s)
 
     @contextlib.asynccontextmanager
@@ -111,6 +115,7 @@ def create_app(
     if access_log:
         app.add_middleware(AccessLog)  # outermost: sees every answer, 401s and 413s included
     s = Served(backend, limits, stream_interval)
+    s.api_server |= {"index": index, "count": count}
 
     @app.exception_handler(DDServeError)
     async def _ddserve_error(_: Request, exc: DDServeError):

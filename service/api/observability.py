@@ -109,20 +109,37 @@ METRICS = {
 }  # fmt: skip
 
 
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
+
+
 class PrometheusExporter:
-    """METRICS in a prometheus_client registry of their own (the engine server's /metrics)."""
+    """METRICS in a prometheus_client registry of their own (the engine server's /metrics).
+
+    With env PROMETHEUS_MULTIPROC_DIR set (the engine server's API processes under
+    `--api-server-count N`: prometheus_client's multiprocess mode), every process writes its
+    samples to files there and `render` sums them over all processes: counters and histograms
+    add up, a gauge reads its most recent value (every process hears the same engine load and
+    config)."""
 
     def __init__(self, model_name: str):
+        import os
+
         import prometheus_client as pc
+        from prometheus_client import values
 
         pc.disable_created_metrics()  # no `_created` series (vLLM does the same)
         self.registry = pc.CollectorRegistry()
         self.model_name = model_name
+        self.multiprocess_dir = os.environ.get(MULTIPROC_ENV) or None
+        if self.multiprocess_dir and values.ValueClass is values.MutexValue:
+            values.ValueClass = values.MultiProcessValue()  # imported before the variable was set
         kinds = {"counter": pc.Counter, "gauge": pc.Gauge, "histogram": pc.Histogram}
         self._m = {}
         self._children: dict[tuple, object] = {}  # label lookups cost ~5 us: once per series
         for m in METRICS.values():
             extra = {"buckets": m.buckets} if m.buckets else {}
+            if m.kind == "gauge" and self.multiprocess_dir:
+                extra["multiprocess_mode"] = "mostrecent"
             self._m[m.name] = kinds[m.kind](
                 f"{PREFIX}:{m.name}",
                 m.doc,
@@ -151,9 +168,15 @@ class PrometheusExporter:
         """Nothing to do: prometheus_client keeps every sample until it is changed."""
 
     def render(self) -> tuple[bytes, str]:
-        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+        from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
-        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+        if not self.multiprocess_dir:
+            return generate_latest(self.registry), CONTENT_TYPE_LATEST
+        from prometheus_client.multiprocess import MultiProcessCollector
+
+        registry = CollectorRegistry()
+        MultiProcessCollector(registry, path=self.multiprocess_dir)
+        return generate_latest(registry), CONTENT_TYPE_LATEST
 
 
 def drafter_depth(drafter: dict) -> int:
@@ -201,6 +224,8 @@ class MeteredBackend:
         )  # fmt: skip
         self._config: dict | None = None
         self._publish_config()
+        if hasattr(inner, "on_params"):  # changed through another API process
+            inner.on_params = self._publish_config
 
     def __getattr__(self, name):
         return getattr(self.inner, name)

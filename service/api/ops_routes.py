@@ -63,6 +63,7 @@ def register(
             "admin_protected": admin_token is not None,
             "api_key_required": api_key is not None,
             "in_flight": s.admission.active,
+            "api_server": s.api_server,  # the API process that answered (totals are its own)
         }
 
     def admin_guard(request: Request) -> None:

@@ -11,6 +11,10 @@ token.
 An engine core that exits fails every request in flight with EngineUnavailable within
 `WATCH_S`, and calls `on_death` (the engine server exits; a replica dies and Serve replaces
 it).
+
+`CoreBackend.start` starts a core and owns it; `CoreBackend.attach` joins one another process
+started (the engine server's other API processes, `--api-server-count`): client i of N,
+watching the core through a pidfd.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import contextlib
 import itertools
 import logging
 import os
+import select
 import shutil
 import subprocess
 import sys
@@ -49,9 +54,15 @@ class CoreProcess(ChildProcess):
     `pid`, `proc`, `alive()`, `stop()`; `url` names its channel)."""
 
     def __init__(
-        self, cfg: EngineConfig, *, log_path: str | Path | None = None, env: dict | None = None
+        self,
+        cfg: EngineConfig,
+        *,
+        log_path: str | Path | None = None,
+        env: dict | None = None,
+        clients: int = 1,
     ):
         self.cfg = cfg
+        self.clients = clients
         self.dir = tempfile.mkdtemp(prefix="ddserve-core-")  # 0700: the sockets are private
         self.in_addr = f"ipc://{self.dir}/in"
         self.out_addr = f"ipc://{self.dir}/out"
@@ -67,6 +78,8 @@ class CoreProcess(ChildProcess):
         env[ipc.PARENT_ENV] = str(os.getpid())
         out = open(self.log_path, "ab") if self.log_path else None  # noqa: SIM115
         cmd = [sys.executable, "-m", "ddserve.engine.core", self.in_addr, self.out_addr]
+        if self.clients > 1:
+            cmd.append(str(self.clients))
         try:
             self.proc = subprocess.Popen(
                 cmd,
@@ -87,6 +100,40 @@ class CoreProcess(ChildProcess):
             self.proc.wait(timeout)
 
 
+class CoreRef:
+    """A core that another process started and owns, seen from a client that joined it: its
+    pid and channel (the surface of CoreProcess that CoreBackend uses). Alive while a pidfd on
+    it is not readable: no reaping needed, no confusion with a reused pid."""
+
+    proc = None
+    log_path = None
+
+    def __init__(self, cfg: EngineConfig, pid: int, url: str):
+        self.cfg = cfg
+        self.pid = pid
+        self.url = url
+        self.in_addr, self.out_addr = f"{url}/in", f"{url}/out"
+        try:
+            self._fd: int | None = os.pidfd_open(pid)
+        except OSError as exc:
+            raise EngineUnavailable(f"engine core process {pid} is gone: {exc}") from exc
+
+    def alive(self) -> bool:
+        return self._fd is not None and not select.select([self._fd], [], [], 0)[0]
+
+    def stop(self, grace_s: float = 0.0) -> None:
+        """Not this process's to stop: let go of the pidfd."""
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def wait(self, timeout: float) -> None:
+        pass
+
+    def log_tail(self) -> str:
+        return ""
+
+
 class _Stream:
     """One request's view: its queue of entries, and statistics counted on this side (the
     engine's own arrive with the finish)."""
@@ -103,12 +150,18 @@ class CoreBackend:
 
     def __init__(
         self,
-        process: CoreProcess,
+        process: CoreProcess | CoreRef,
         tokenizer,
         *,
         on_death: Callable[[str], None] | None = None,
+        client: int = 0,
+        clients: int = 1,
     ):
         self.process = process
+        self.client, self.clients = client, clients
+        # called after another client's parameter change is applied here (the metrics'
+        # live-config gauge: ddserve.api.observability.MeteredBackend)
+        self.on_params: Callable[[], None] | None = None
         self.tokenizer = tokenizer
         self.on_death = on_death
         self.model_id = process.cfg.model_id
@@ -121,7 +174,8 @@ class CoreBackend:
         self._load: dict = {}
         self._streams: dict[int, _Stream] = {}
         self._calls: dict[int, asyncio.Future] = {}
-        self._ids = itertools.count(1)
+        # ids of this client's requests and calls: client, client + N, ... (ddserve.engine.ipc)
+        self._ids = itertools.count(clients + client, clients)
         self._dead: EngineUnavailable | None = None
         self._tasks: list[asyncio.Task] = []
         self._ctx = zmq.asyncio.Context()
@@ -148,12 +202,39 @@ class CoreBackend:
         log_path: str | Path | None = None,
         env: dict | None = None,
         on_death: Callable[[str], None] | None = None,
+        clients: int = 1,
     ) -> CoreBackend:
         """Start a core process and wait until it is ready (weights loaded, warmed up, a real
-        generation done); its start-up error is raised here as what it is."""
-        process = CoreProcess(cfg, log_path=log_path, env=env)
-        backend = cls(process, tokenizer, on_death=on_death)
+        generation done); its start-up error is raised here as what it is. This backend is
+        its client 0 of `clients` (the others `attach`)."""
+        process = CoreProcess(cfg, log_path=log_path, env=env, clients=clients)
+        backend = cls(process, tokenizer, on_death=on_death, clients=clients)
         process.start()
+        try:
+            await backend._connect(timeout)
+        except BaseException:
+            await backend.aclose()
+            raise
+        return backend
+
+    @classmethod
+    async def attach(
+        cls,
+        cfg: EngineConfig,
+        tokenizer,
+        *,
+        pid: int,
+        url: str,
+        client: int,
+        clients: int,
+        timeout: float = 60.0,
+        on_death: Callable[[str], None] | None = None,
+    ) -> CoreBackend:
+        """Join the running core `pid` at `url` as client `client` of `clients` (it answers
+        HELLO with READY: its live config now)."""
+        backend = cls(
+            CoreRef(cfg, pid, url), tokenizer, on_death=on_death, client=client, clients=clients
+        )
         try:
             await backend._connect(timeout)
         except BaseException:
@@ -163,7 +244,9 @@ class CoreBackend:
 
     async def _connect(self, timeout: float) -> None:
         self._push.connect(self.process.in_addr)
-        self._pull.connect(self.process.out_addr)
+        self._pull.connect(ipc.out_address(self.process.out_addr, self.client))
+        if self.client:
+            self._send([ipc.HELLO, self.client])
         deadline = time.monotonic() + timeout
         while True:
             if await self._pull.poll(200):
@@ -171,13 +254,15 @@ class CoreBackend:
                 if msg[0] == ipc.FAILED:  # it exits by itself: let it
                     await asyncio.to_thread(self.process.wait, 10)
                     raise ipc.error_from_wire(*msg[1:4])
+                if msg[0] == ipc.PARAMS:  # a change before its READY, which is newer
+                    self._send([ipc.ACK, msg[1], self.client])
                 if msg[0] == ipc.READY:
                     self._ready(msg[1])
                     break
             if not self.process.alive():
                 tail = self.process.log_tail()
                 raise EngineUnavailable(
-                    f"engine core exited with code {self.process.proc.returncode} before it was ready"
+                    f"engine core exited{self._exit_code()} before it was ready"
                     + (f" ({tail})" if tail else "")
                 )
             if time.monotonic() > deadline:
@@ -216,14 +301,27 @@ class CoreBackend:
                 fut = self._calls.pop(msg[1], None)
                 if fut is not None and not fut.done():
                     fut.set_result((msg[2], msg[3]))
+            elif kind == ipc.PARAMS:  # another client changed them: in force here first
+                self._ready(msg[2])
+                if self.on_params is not None:
+                    self.on_params()
+                self._send([ipc.ACK, msg[1], self.client])
 
     async def _watch(self) -> None:
         while self.process.alive():
             await asyncio.sleep(WATCH_S)
-        code = self.process.proc.returncode
-        msg = f"engine core process {self.process.pid} exited with code {code}"
+        msg = f"engine core process {self.process.pid} exited{self._exit_code()}"
         log.error("%s; failing %d requests in flight", msg, len(self._streams))
         self._fail_all(EngineUnavailable(msg))
+
+    def _exit_code(self) -> str:
+        """ " with code N" when this process started the core (and so can read its code)."""
+        proc = self.process.proc
+        return (
+            f" with code {proc.returncode}"
+            if proc is not None and proc.returncode is not None
+            else ""
+        )
 
     def _fail_all(self, exc: EngineUnavailable) -> None:
         """Every stream and call in flight ends with `exc`; so does every later one."""

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import errno
+import os
 import socket
 import sys
 
 from ddserve.api.limits import ServerLimits
+from ddserve.cli.api_server import ApiServer, event_loop_factory, serve_first
 from ddserve.cli.client import client_api_key, get_json, post_json
 from ddserve.config import api_key
 from ddserve.config.admin_token import DEFAULT_ENV, read_admin_token
@@ -60,6 +63,33 @@ def seconds(text: str) -> float:
     if not value >= 0 or value == float("inf"):
         raise argparse.ArgumentTypeError(f"{text} is not a duration: choose 0 or more seconds")
     return value
+
+
+API_SERVERS_ENV = "DDSERVE_API_SERVER_COUNT"
+
+
+def api_server_count(text: str) -> int:
+    """An argparse type: how many API processes (1 or more)."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of processes") from None
+    if not 1 <= n <= 64:
+        raise argparse.ArgumentTypeError(f"{n} API processes: choose 1-64")
+    return n
+
+
+def api_servers_of(a: argparse.Namespace) -> int:
+    """--api-server-count, else its variable, else 1."""
+    if a.api_server_count is not None:
+        return a.api_server_count
+    text = os.environ.get(API_SERVERS_ENV, "").strip()
+    if not text:
+        return 1
+    try:
+        return api_server_count(text)
+    except argparse.ArgumentTypeError as exc:
+        raise ConfigError(f"{API_SERVERS_ENV}={text}: {exc}") from None
 
 
 def listen_socket(host: str, port: int) -> socket.socket:
@@ -142,6 +172,13 @@ def add_parsers(sub) -> None:
         help="seconds between stats lines (running, waiting, tok/s, tau) while there is work; 0 = off [env DDSERVE_STATS_INTERVAL; default 10]",
     )
     p.add_argument(
+        "--api-server-count",
+        type=api_server_count,
+        default=None,
+        metavar="N",
+        help=f"API processes (HTTP, JSON, detokenisation) over the one engine core, sharing the port, as vLLM's flag: more keep first tokens prompt at high concurrency; --max-requests is shared out among them [env {API_SERVERS_ENV}; default 1]",
+    )
+    p.add_argument(
         "--api-key-file",
         default=None,
         metavar="PATH",
@@ -197,6 +234,8 @@ def run_engine(a: argparse.Namespace) -> None:
             "--max-body-bytes must be >= 1, --request-timeout and --max-requests >= 0 (0 = none)"
         )
 
+    count = api_servers_of(a)
+
     sock = listen_socket(a.host, a.port)  # a busy port fails here, before the weights load
 
     limits = ServerLimits(
@@ -204,80 +243,26 @@ def run_engine(a: argparse.Namespace) -> None:
         request_timeout_s=a.request_timeout or None,
         max_requests=a.max_requests or None,
     )
+    spec = ApiServer(
+        host=a.host,
+        port=a.port,
+        log_level=a.log_level,
+        access_log=a.access_log,  # None: env DDSERVE_ACCESS_LOG
+        stats_interval_s=a.stats_interval,  # None: env DDSERVE_STATS_INTERVAL, else 10
+        admin_token=admin_token,
+        api_key=key,
+        limits=dataclasses.asdict(limits),
+        count=count,
+    )
     try:
         with asyncio.Runner(loop_factory=event_loop_factory()) as runner:
-            code = runner.run(_serve(a, config, sock, admin_token, key, limits))
+            code = runner.run(serve_first(spec, config, sock))
     finally:
         sock.close()
     if code:
-        raise EngineUnavailable("the engine core exited; the server stopped (see the log above)")
-
-
-def event_loop_factory():
-    """uvloop's event loop where it is installed (uvicorn[standard] brings it; vLLM's and
-    SGLang's API servers run on it too, and Ray's workers install it), else asyncio's."""
-    try:
-        import uvloop
-    except ImportError:
-        return None
-    return uvloop.new_event_loop
-
-
-async def _serve(a, config: EngineConfig, sock, admin_token, key, limits) -> int:
-    """The API process: the engine core in a child process (ddserve.engine.core), this
-    process's event loop does HTTP, JSON and detokenisation only. Returns non-zero when the
-    core died under it (a supervisor restarts the whole server)."""
-    import uvicorn
-
-    from ddserve.api.app import create_app, freeze_startup_heap
-    from ddserve.backends.core import CoreBackend
-    from ddserve.engine.weights import load_tokenizer
-
-    died: list[str] = []
-    server: uvicorn.Server | None = None
-
-    def on_death(msg: str) -> None:
-        died.append(msg)
-        if server is not None:
-            server.should_exit = True
-
-    # the tokenizer loads here while the core loads the weights; the core's verdict on the
-    # model comes first (one message for a model that cannot be loaded, whatever the part)
-    tokenizer = asyncio.ensure_future(asyncio.to_thread(load_tokenizer, config.model))
-    try:
-        backend = await CoreBackend.start(config, None, timeout=3600, on_death=on_death)
-    except BaseException:
-        tokenizer.cancel()
-        await asyncio.gather(tokenizer, return_exceptions=True)
-        raise
-    try:
-        backend.tokenizer = await tokenizer
-    except BaseException:
-        await backend.aclose()
-        raise
-    try:
-        app = create_app(
-            backend,
-            admin_token=admin_token,
-            limits=limits,
-            api_key=key,
-            access_log=a.access_log,  # None: env DDSERVE_ACCESS_LOG
-            stats_interval_s=a.stats_interval,  # None: env DDSERVE_STATS_INTERVAL, else 10
-            stream_interval=config.stream_interval,
+        raise EngineUnavailable(
+            "the engine core or an API process exited; the server stopped (see the log above)"
         )
-        print(
-            f"ddserve engine: {config.model_id} on http://{a.host}:{a.port} (fingerprint {backend.fingerprint}, engine core pid {backend.process.pid}{', API key required' if key else ''})",
-            flush=True,
-        )
-        server = uvicorn.Server(
-            uvicorn.Config(app, host=a.host, port=a.port, log_level=a.log_level, access_log=False)
-        )
-        if not died:
-            freeze_startup_heap()
-            await server.serve(sockets=[sock])
-    finally:
-        await backend.aclose()
-    return 1 if died else 0
 
 
 def run_chat(a: argparse.Namespace) -> None:

@@ -1,13 +1,15 @@
 """The engine core: the builtin engine's scheduler in a process of its own.
 
-    python -m ddserve.engine.core IN_ADDR OUT_ADDR      (config: env DDSERVE_CORE_CONFIG)
+    python -m ddserve.engine.core IN_ADDR OUT_ADDR [CLIENTS]   (config: env DDSERVE_CORE_CONFIG)
 
 The split of vLLM's API server / EngineCore and SGLang's TokenizerManager / Scheduler: the
 worker thread runs DDTree rounds (ddserve.engine.runner) where no HTTP, JSON or
 detokenisation can stall it; requests arrive as token ids and outputs leave as token ids,
 over the channel of ddserve.engine.ipc, in ONE message per scheduler iteration for all
 requests. The main thread only receives (adds, aborts, parameter changes). The client is
-ddserve.backends.core (the engine server's API process, or a Ray replica).
+ddserve.backends.core (the engine server's API process, or a Ray replica); with CLIENTS > 1,
+each of the engine server's API processes (`--api-server-count`) is one, routed by id
+(ddserve.engine.ipc).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from ddserve.errors import (
 
 log = logging.getLogger("ddserve.engine.core")
 PARENT_CHECK_MS = 1000  # how often an idle core looks whether its parent still lives
+LOAD_EVERY_S = 0.1  # a client with nothing to read still gets the load this often
 
 
 class _CoreRequest(EngineRequest):
@@ -48,18 +51,35 @@ class _CoreRequest(EngineRequest):
 
 
 class EngineCore:
-    def __init__(self, runner: EngineRunner, push: zmq.Socket):
+    """`pushes`: one output socket per client (one unless `--api-server-count` asks more)."""
+
+    def __init__(self, runner: EngineRunner, pushes: list[zmq.Socket]):
         self.runner = runner
-        self.push = push
+        self.pushes = pushes
         self.send_lock = threading.Lock()  # the worker (outputs) and main thread (replies)
         self.outbox: list = []
         self.requests: dict[int, _CoreRequest] = {}
+        self.last_sent = [0.0] * len(pushes)
+        # a parameter change waiting for the other clients' ACK: call_id -> [caller's client,
+        # its REPLY, clients still to ACK]
+        self.pending: dict[int, list] = {}
         runner.on_iteration = self.flush
 
-    def send(self, msg: list) -> None:
+    def send(self, msg: list, client: int = 0, *, wait: bool = True) -> bool:
+        """False when `wait` is off and the client has not connected yet (a bound PUSH with
+        no peer would block: a client still starting must not stall the scheduler)."""
         data = ipc.pack(msg)
         with self.send_lock:
-            self.push.send(data, copy=False)
+            try:
+                self.pushes[client].send(data, 0 if wait else zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return False
+            self.last_sent[client] = time.monotonic()
+        return True
+
+    def send_to(self, ident: int, msg: list) -> None:
+        """To the client of a request id or call id."""
+        self.send(msg, ipc.client_of(ident, len(self.pushes)))
 
     def info(self) -> dict:
         r = self.runner
@@ -77,21 +97,32 @@ class EngineCore:
     # -- worker thread: once per iteration ---------------------------------------------
     def flush(self) -> None:
         out, self.outbox[:] = list(self.outbox), []
-        entries = []
+        n = len(self.pushes)
+        entries: list[list] = [[] for _ in range(n)]
         for rid, item in out:
             if isinstance(item, StepOutput):
                 stats = ipc.stats_to_wire(item.stats) if item.finished else None
                 lp = item.logprobs.to_wire() if item.logprobs is not None else None
-                entries.append([rid, item.token_ids, item.finish_reason, stats, None, lp])
+                entry = [rid, item.token_ids, item.finish_reason, stats, None, lp]
                 done = item.finished
             else:
                 status, body = openai_error_body(item)
-                entries.append([rid, [], None, None, [status, body], None])
+                entry = [rid, [], None, None, [status, body], None]
                 done = True
+            entries[ipc.client_of(rid, n)].append(entry)
             if done:
                 self.requests.pop(rid, None)
-        if entries or self.runner.load["running"] == 0:
-            self.send([ipc.OUTPUTS, self.runner.fingerprint, entries, self.runner.load_gauges()])
+        idle = self.runner.load["running"] == 0
+        fingerprint, load, now = (
+            self.runner.fingerprint,
+            self.runner.load_gauges(),
+            time.monotonic(),
+        )
+        for client, mine in enumerate(entries):
+            if mine:  # its requests: it is connected (it sent them)
+                self.send([ipc.OUTPUTS, fingerprint, mine, load], client)
+            elif idle or now - self.last_sent[client] > LOAD_EVERY_S:  # the load only
+                self.send([ipc.OUTPUTS, fingerprint, mine, load], client, wait=False)
 
     # -- main thread ---------------------------------------------------------------------
     def serve(self, pull: zmq.Socket, parent: int | None = None) -> None:
@@ -116,6 +147,10 @@ class EngineCore:
                     self.runner.wake()
             elif kind == ipc.CALL:
                 self._call(msg[1], msg[2], msg[3])
+            elif kind == ipc.HELLO:
+                self.send([ipc.READY, self.info()], msg[1])
+            elif kind == ipc.ACK:
+                self._acked(msg[1], msg[2])
 
     def _add(self, rid: int, prompt: list[int], sampling: dict) -> None:
         try:
@@ -125,13 +160,14 @@ class EngineCore:
         except Exception as exc:  # bad ids, an engine going down: this request only
             self.requests.pop(rid, None)
             status, body = openai_error_body(exc)
-            self.send(
+            self.send_to(
+                rid,
                 [
                     ipc.OUTPUTS,
                     self.runner.fingerprint,
                     [[rid, [], None, None, [status, body], None]],
                     self.runner.load_gauges(),
-                ]
+                ],
             )
 
     def _call(self, call_id: int, method: str, args: dict) -> None:
@@ -139,20 +175,49 @@ class EngineCore:
             if method == "update_params":
                 new = self.runner.update_params(**args)
                 result = {"params": new.params.model_dump(), "info": self.info()}
+                if self._broadcast(call_id, result):
+                    return  # answered once every other client has ACKed
             elif method == "info":
                 result = self.info()
             else:
                 raise EngineError(f"engine core: no method {method!r}")
-            self.send([ipc.REPLY, call_id, 200, result])
+            self.send_to(call_id, [ipc.REPLY, call_id, 200, result])
         except Exception as exc:
             if isinstance(exc, ConfigError):  # a bad value in the caller's request
                 exc = InvalidRequest(exc.message, param=exc.param)
             status, body = openai_error_body(exc)
-            self.send([ipc.REPLY, call_id, status, body])
+            self.send_to(call_id, [ipc.REPLY, call_id, status, body])
+
+    def _broadcast(self, call_id: int, result: dict) -> bool:
+        """New live parameters to every client but the caller; True when the caller's REPLY
+        waits for their ACKs."""
+        n = len(self.pushes)
+        caller = ipc.client_of(call_id, n)
+        others = {
+            client
+            for client in range(n)
+            if client != caller  # one not connected yet reads the new info in its READY
+            and self.send([ipc.PARAMS, call_id, result["info"]], client, wait=False)
+        }
+        if not others:
+            return False
+        self.pending[call_id] = [caller, [ipc.REPLY, call_id, 200, result], others]
+        return True
+
+    def _acked(self, call_id: int, client: int) -> None:
+        p = self.pending.get(call_id)
+        if p is None:
+            return
+        p[2].discard(client)
+        if not p[2]:
+            del self.pending[call_id]
+            self.send(p[1], p[0])
 
 
 def main(argv: list[str] | None = None) -> int:
-    in_addr, out_addr = (argv or sys.argv[1:])[:2]
+    args = argv or sys.argv[1:]
+    in_addr, out_addr = args[:2]
+    clients = int(args[2]) if len(args) > 2 else 1
     logging.basicConfig(
         level=os.environ.get("DDSERVE_LOG_LEVEL", "INFO").upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
@@ -168,19 +233,22 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, stop)
     ctx = zmq.Context()
     pull = ctx.socket(zmq.PULL)
-    push = ctx.socket(zmq.PUSH)
     pull.setsockopt(zmq.RCVHWM, 0)
-    push.setsockopt(zmq.SNDHWM, 0)  # never block the scheduler on a slow reader
-    push.setsockopt(zmq.LINGER, 1000)
     pull.bind(in_addr)
-    push.bind(out_addr)
+    pushes = []
+    for client in range(clients):
+        push = ctx.socket(zmq.PUSH)
+        push.setsockopt(zmq.SNDHWM, 0)  # never block the scheduler on a slow reader
+        push.setsockopt(zmq.LINGER, 1000)
+        push.bind(ipc.out_address(out_addr, client))
+        pushes.append(push)
     runner = None
     try:
         config = EngineConfig.model_validate_json(os.environ[ipc.CONFIG_ENV])
         t0 = time.perf_counter()
         runner = EngineRunner(config)
         runner.start()
-        core = EngineCore(runner, push)
+        core = EngineCore(runner, pushes)
         core.send([ipc.READY, core.info()])
         log.info("engine core ready in %.1fs (pid %d)", time.perf_counter() - t0, os.getpid())
         core.serve(pull, parent=parent)
@@ -190,14 +258,15 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # exiting already
         if not isinstance(exc, DDServeError):
             log.error("engine core failed", exc_info=exc)
-        push.send(ipc.pack([ipc.FAILED, *ipc.error_to_wire(exc)]))
+        pushes[0].send(ipc.pack([ipc.FAILED, *ipc.error_to_wire(exc)]))
         return exit_code(exc) if isinstance(exc, DDServeError) else 4
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         if runner is not None:
             runner.shutdown()
         pull.close(0)
-        push.close()
+        for push in pushes:
+            push.close()
         ctx.term()
     return 0
 

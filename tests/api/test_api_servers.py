@@ -1,0 +1,195 @@
+"""`ddserve engine --api-server-count N`: N API processes on one port over one engine core
+(ddserve.cli.api_server), real processes and real HTTP: answers from every process are the
+same at T=0, a live parameter change through one process is in force in every process when
+it answers, /metrics sums every process's requests, a core that dies fails the streams of
+every process within a second, and a process that dies takes the server down."""
+
+import json
+import os
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+
+from tests.api.conftest import running_engine
+from tests.test_cli import ddserve, one_line
+
+pytestmark = pytest.mark.slow
+
+MODEL = ["--model", "tiny-random:7", "--max-context", "512"]
+
+
+def pinned_clients(url: str, count: int, tries: int = 400) -> dict[int, httpx.Client]:
+    """One keep-alive client per API process: a client of one connection keeps the process
+    that accepted it (read from its /server_info)."""
+    found: dict[int, httpx.Client] = {}
+    for _ in range(tries):
+        c = httpx.Client(base_url=url, limits=httpx.Limits(max_connections=1), timeout=60)
+        index = c.get("/server_info").json()["api_server"]["index"]
+        if index in found:
+            c.close()
+        else:
+            found[index] = c
+        if len(found) == count:
+            return found
+    for c in found.values():
+        c.close()
+    pytest.fail(f"only API processes {sorted(found)} of {count} accepted {tries} connections")
+
+
+@pytest.fixture(scope="module")
+def three():
+    with running_engine(*MODEL, "--api-server-count", "3") as eng:
+        clients = pinned_clients(eng.url, 3)
+        try:
+            yield eng, clients
+        finally:
+            for c in clients.values():
+                c.close()
+
+
+def test_every_process_answers_alike_and_metrics_sum_them(three):
+    eng, clients = three
+    before = metric(
+        clients[0].get("/metrics").text,
+        'ddserve:requests_total{model_name="tiny-random:7",status="ok"}',
+    )
+    body = {
+        "model": "tiny-random:7",
+        "prompt": "The capital of",
+        "max_tokens": 16,
+        "temperature": 0,
+    }
+    texts = {}
+    for index, c in clients.items():
+        r = c.post("/v1/completions", json=body)
+        assert r.status_code == 200, r.text
+        texts[index] = r.json()["choices"][0]["text"]
+        info = c.get("/server_info").json()
+        assert info["api_server"]["index"] == index and info["api_server"]["count"] == 3
+    assert len(set(texts.values())) == 1, texts
+    # every process's pid differs; the core is one
+    infos = [c.get("/server_info").json() for c in clients.values()]
+    assert len({i["api_server"]["pid"] for i in infos}) == 3
+    assert len({i["engine_pid"] for i in infos}) == 1
+    for c in clients.values():  # whichever process answers /metrics, it counts all three
+        after = metric(
+            c.get("/metrics").text, 'ddserve:requests_total{model_name="tiny-random:7",status="ok"}'
+        )
+        assert after - before == 3
+
+
+def test_a_parameter_change_is_in_force_in_every_process_when_it_answers(three):
+    eng, clients = three
+    for via, temperature in ((1, 0.7), (0, 0.3), (2, 0.5), (1, 0.0)):
+        r = clients[via].post(  # the change through one process ...
+            "/admin/params",
+            json={"temperature": temperature},
+            headers={"Authorization": "Bearer s3cret"},
+        )
+        assert r.status_code == 200, r.text
+        fp = r.json()["system_fingerprint"]
+        for index, c in clients.items():  # ... in force in all when it answers: no waiting
+            info = c.get("/server_info").json()
+            assert info["system_fingerprint"] == fp, (via, index)
+            assert info["config"]["params"]["temperature"] == temperature
+    # the live config gauge, summed: one config at 1
+    text = clients[1].get("/metrics").text
+    live = [
+        ln
+        for ln in text.splitlines()
+        if ln.startswith("ddserve:config_info") and ln.endswith(" 1.0")
+    ]
+    assert len(live) == 1 and 'temperature="0.0"' in live[0], live
+
+
+def test_a_dying_core_fails_every_process_s_streams_within_a_second(three):
+    """Last in the module: the server goes down with its core."""
+    eng, clients = three
+    core_pid = clients[0].get("/server_info").json()["engine_pid"]
+    body = {
+        "model": "tiny-random:7",
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 480,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    started = threading.Barrier(len(clients) + 1)
+    killed: list[float] = []
+    results: dict[int, tuple] = {}
+
+    def read(index: int, c: httpx.Client) -> None:
+        first = True
+        with c.stream("POST", "/v1/chat/completions", json=body) as r:
+            for line in r.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    results[index] = (chunk["error"], time.monotonic())
+                    return
+                if first:
+                    first = False
+                    started.wait(30)
+        results[index] = (None, time.monotonic())
+
+    threads = [threading.Thread(target=read, args=(i, c)) for i, c in clients.items()]
+    for t in threads:
+        t.start()
+    started.wait(60)
+    os.kill(core_pid, signal.SIGKILL)
+    killed.append(time.monotonic())
+    for t in threads:
+        t.join(30)
+    for index, (error, at) in results.items():
+        assert error is not None and "exited" in error["message"], (index, error)
+        assert at - killed[0] < 1.0, (index, at - killed[0])
+    assert len(results) == 3
+    eng.proc.wait(30)  # the whole server goes down: a supervisor restarts it
+    assert eng.proc.returncode != 0
+
+
+def test_an_api_process_that_dies_takes_the_server_and_core_down():
+    with running_engine(*MODEL, "--api-server-count", "2") as eng:
+        clients = pinned_clients(eng.url, 2)
+        info = clients[1].get("/server_info").json()
+        for c in clients.values():
+            c.close()
+        os.kill(info["api_server"]["pid"], signal.SIGKILL)
+        eng.proc.wait(30)
+        assert eng.proc.returncode != 0
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and alive(info["engine_pid"]):
+            time.sleep(0.1)
+        assert not alive(info["engine_pid"])
+
+
+@pytest.mark.parametrize(
+    "args,env,needle",
+    [
+        (["--api-server-count", "0"], {}, "argument --api-server-count: 0 API processes"),
+        (["--api-server-count", "two"], {}, "'two' is not a number of processes"),
+        ([], {"DDSERVE_API_SERVER_COUNT": "99"}, "DDSERVE_API_SERVER_COUNT=99: 99 API processes"),
+    ],
+)
+def test_a_bad_api_server_count_is_one_line(args, env, needle):
+    line = one_line(ddserve("engine", *args, env=env), 2)
+    assert needle in line, line
+
+
+def metric(text: str, series: str) -> float:
+    for line in text.splitlines():
+        if line.startswith(series + " "):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:  # a zombie is gone for this purpose
+        return f.read().split(")")[-1].split()[0] != "Z"
