@@ -23,12 +23,6 @@ import asyncio
 import contextlib
 import itertools
 import logging
-import os
-import select
-import shutil
-import subprocess
-import sys
-import tempfile
 import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -37,7 +31,7 @@ import zmq
 import zmq.asyncio
 
 from ddserve.api.generation import Delta, TextStream
-from ddserve.backends.process import NOT_INHERITED, ChildProcess, _die_with_parent
+from ddserve.backends.core_process import CoreProcess, CoreRef
 from ddserve.config.engine import EngineConfig, LiveParams
 from ddserve.engine import ipc
 from ddserve.engine.runner import health_generation
@@ -47,91 +41,6 @@ from ddserve.errors import EngineUnavailable, error_from_body
 log = logging.getLogger(__name__)
 
 WATCH_S = 0.1  # how often the core process is checked for life
-
-
-class CoreProcess(ChildProcess):
-    """Start, watch and stop one engine core process (the same surface as EngineProcess:
-    `pid`, `proc`, `alive()`, `stop()`; `url` names its channel)."""
-
-    def __init__(
-        self,
-        cfg: EngineConfig,
-        *,
-        log_path: str | Path | None = None,
-        env: dict | None = None,
-        clients: int = 1,
-    ):
-        self.cfg = cfg
-        self.clients = clients
-        self.dir = tempfile.mkdtemp(prefix="ddserve-core-")  # 0700: the sockets are private
-        self.in_addr = f"ipc://{self.dir}/in"
-        self.out_addr = f"ipc://{self.dir}/out"
-        self.url = f"ipc://{self.dir}"
-        self.log_path = Path(log_path) if log_path else None
-        self.env = env
-        self.proc: subprocess.Popen | None = None
-
-    def start(self) -> None:
-        env = {k: v for k, v in os.environ.items() if k not in NOT_INHERITED}
-        env |= self.env or {}
-        env[ipc.CONFIG_ENV] = self.cfg.model_dump_json()
-        env[ipc.PARENT_ENV] = str(os.getpid())
-        out = open(self.log_path, "ab") if self.log_path else None  # noqa: SIM115
-        cmd = [sys.executable, "-m", "ddserve.engine.core", self.in_addr, self.out_addr]
-        if self.clients > 1:
-            cmd.append(str(self.clients))
-        try:
-            self.proc = subprocess.Popen(
-                cmd,
-                stdout=out,
-                stderr=subprocess.STDOUT if out else None,
-                env=env,
-                preexec_fn=_die_with_parent,
-            )
-        except OSError as exc:
-            raise EngineUnavailable(f"cannot start the engine core: {exc}") from exc
-
-    def stop(self, grace_s: float = 20.0) -> None:
-        super().stop(grace_s)
-        shutil.rmtree(self.dir, ignore_errors=True)
-
-    def wait(self, timeout: float) -> None:
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.proc.wait(timeout)
-
-
-class CoreRef:
-    """A core that another process started and owns, seen from a client that joined it: its
-    pid and channel (the surface of CoreProcess that CoreBackend uses). Alive while a pidfd on
-    it is not readable: no reaping needed, no confusion with a reused pid."""
-
-    proc = None
-    log_path = None
-
-    def __init__(self, cfg: EngineConfig, pid: int, url: str):
-        self.cfg = cfg
-        self.pid = pid
-        self.url = url
-        self.in_addr, self.out_addr = f"{url}/in", f"{url}/out"
-        try:
-            self._fd: int | None = os.pidfd_open(pid)
-        except OSError as exc:
-            raise EngineUnavailable(f"engine core process {pid} is gone: {exc}") from exc
-
-    def alive(self) -> bool:
-        return self._fd is not None and not select.select([self._fd], [], [], 0)[0]
-
-    def stop(self, grace_s: float = 0.0) -> None:
-        """Not this process's to stop: let go of the pidfd."""
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
-
-    def wait(self, timeout: float) -> None:
-        pass
-
-    def log_tail(self) -> str:
-        return ""
 
 
 class _Stream:

@@ -36,7 +36,7 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     except OSError:
@@ -134,7 +134,7 @@ class EngineProcess(ChildProcess):
         log.info("starting engine: %s", " ".join(cmd[:4]) + " ...")
         try:
             self.proc = subprocess.Popen(
-                cmd, stdout=out, stderr=subprocess.STDOUT, env=env, preexec_fn=_die_with_parent
+                cmd, stdout=out, stderr=subprocess.STDOUT, env=env, preexec_fn=die_with_parent
             )
         except OSError as exc:
             raise EngineUnavailable(f"cannot start engine {cmd[0]}: {exc}") from exc

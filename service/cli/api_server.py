@@ -35,7 +35,7 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 
 from ddserve.api.limits import ServerLimits
-from ddserve.backends.process import _die_with_parent
+from ddserve.backends.process import die_with_parent
 from ddserve.config.engine import EngineConfig
 from ddserve.errors import EngineUnavailable
 
@@ -129,7 +129,7 @@ class Extras:
                     [sys.executable, "-c", ENTRY],
                     env=env,
                     pass_fds=(fd, w),
-                    preexec_fn=_die_with_parent,
+                    preexec_fn=die_with_parent,
                 )
             finally:
                 os.close(w)
