@@ -83,6 +83,7 @@ class CoreBackend:
         self._load: dict = {}
         self._streams: dict[int, _Stream] = {}
         self._calls: dict[int, asyncio.Future] = {}
+        self._info_calls: dict[int, str] = {}  # calls answered with the live config
         # ids of this client's requests and calls: client, client + N, ... (ddserve.engine.ipc)
         self._ids = itertools.count(clients + client, clients)
         self._dead: EngineUnavailable | None = None
@@ -208,6 +209,11 @@ class CoreBackend:
                         s.queue.put_nowait(entry)
             elif kind == ipc.REPLY:
                 fut = self._calls.pop(msg[1], None)
+                # the core's live config in force here in channel order (a PARAMS read
+                # after this answer is newer; the caller resumes only later)
+                method = self._info_calls.pop(msg[1], None)
+                if method is not None and msg[2] == 200:
+                    self._ready(msg[3]["info"] if method == "update_params" else msg[3])
                 if fut is not None and not fut.done():
                     fut.set_result((msg[2], msg[3]))
             elif kind == ipc.PARAMS:  # another client changed them: in force here first
@@ -261,15 +267,19 @@ class CoreBackend:
         call_id = next(self._ids)
         fut = asyncio.get_running_loop().create_future()
         self._calls[call_id] = fut
+        if method in ("info", "update_params"):
+            self._info_calls[call_id] = method
         try:
             self._send([ipc.CALL, call_id, method, args])
         except EngineUnavailable:
             self._calls.pop(call_id, None)
+            self._info_calls.pop(call_id, None)
             raise
         try:
             status, payload = await asyncio.wait_for(fut, timeout)
         except TimeoutError as exc:
             self._calls.pop(call_id, None)
+            self._info_calls.pop(call_id, None)
             raise EngineUnavailable(
                 f"engine core did not answer {method} in {timeout:.0f}s"
             ) from exc
@@ -348,11 +358,10 @@ class CoreBackend:
         return await health_generation(self.stream([0], sampling), timeout, t0)
 
     async def refresh(self) -> None:
-        self._ready(await self._call("info", {}))
+        await self._call("info", {})  # applied as it arrives (_read_forever)
 
     async def update_params(self, changes: dict) -> dict:
-        result = await self._call("update_params", changes)
-        self._ready(result["info"])
+        await self._call("update_params", changes)  # applied as it arrives
         return {"params": self.params.model_dump(), "system_fingerprint": self.fingerprint}
 
     def load_gauges(self) -> dict:

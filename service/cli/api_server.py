@@ -160,10 +160,14 @@ class Extras:
                 return f"API process {i} (pid {proc.pid}) exited with code {proc.returncode}"
         return None
 
-    def stop(self, grace_s: float = STOP_S) -> None:
+    def terminate(self) -> None:
+        """Ask each to stop (uvicorn's graceful stop: no new connections, streams finish)."""
         for proc in self.procs:
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
+
+    def stop(self, grace_s: float = STOP_S) -> None:
+        self.terminate()
         deadline = time.monotonic() + grace_s
         for proc in self.procs:
             try:
@@ -180,6 +184,21 @@ def label_logs(index: int, count: int) -> None:
     )
     for handler in logging.getLogger().handlers:
         handler.setFormatter(fmt)
+
+
+def stop_on_signals() -> None:
+    """SIGTERM and SIGINT end this process through its clean-up (SystemExit(0)) wherever
+    uvicorn's own handlers are not in place: while it starts, and when uvicorn raises the
+    signal again after its graceful stop (the default action killed the process there,
+    before the clean-up: the core left to its death signal, temporary directories left
+    behind; and asyncio's SIGINT handler could lose a signal that came between start-up and
+    serving)."""
+
+    def stop(signum, frame):
+        raise SystemExit(0)
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
 
 
 def event_loop_factory():
@@ -242,12 +261,14 @@ async def serve_first(spec: ApiServer, config: EngineConfig, sock: socket.socket
             + ")",
             flush=True,
         )
-        watch = asyncio.ensure_future(_watch_extras(extras, on_death)) if extras else None
-        if not died:
-            freeze_startup_heap()
-            await server.serve(sockets=[sock])
-        if watch is not None:
-            watch.cancel()
+        watch = asyncio.ensure_future(_supervise(server, extras, on_death)) if extras else None
+        try:
+            if not died:
+                freeze_startup_heap()
+                await server.serve(sockets=[sock])
+        finally:
+            if watch is not None:
+                watch.cancel()
     finally:
         if extras is not None:
             await asyncio.to_thread(extras.stop)
@@ -258,14 +279,19 @@ async def serve_first(spec: ApiServer, config: EngineConfig, sock: socket.socket
     return 1 if died else 0
 
 
-async def _watch_extras(extras: Extras, on_death) -> None:
+async def _supervise(server, extras: Extras, on_death) -> None:
+    """An extra process that exits stops the server; a server that stops (a signal, the core
+    gone, a process gone) stops the extra processes at once: they share the port, so until
+    they stop too new connections would still be accepted, and cut off when the core goes."""
     while True:
-        await asyncio.sleep(0.2)
+        await asyncio.sleep(0.05)
+        if server.should_exit:
+            extras.terminate()
+            return
         msg = extras.dead()
         if msg is not None:
             log.error("%s; stopping the server", msg)
             on_death(msg)
-            return
 
 
 async def serve_extra(payload: dict) -> int:
@@ -309,6 +335,7 @@ async def serve_extra(payload: dict) -> int:
 
 
 def main() -> int:
+    stop_on_signals()
     payload = json.loads(os.environ.pop(SPEC_ENV))
     server = payload["server"]
     logging.basicConfig(level=server["log_level"].upper())

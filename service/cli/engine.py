@@ -11,7 +11,7 @@ import socket
 import sys
 
 from ddserve.api.limits import ServerLimits
-from ddserve.cli.api_server import ApiServer, event_loop_factory, serve_first
+from ddserve.cli.api_server import ApiServer, event_loop_factory, serve_first, stop_on_signals
 from ddserve.cli.client import client_api_key, get_json, post_json
 from ddserve.config import api_key
 from ddserve.config.admin_token import DEFAULT_ENV, read_admin_token
@@ -254,6 +254,7 @@ def run_engine(a: argparse.Namespace) -> None:
         limits=dataclasses.asdict(limits),
         count=count,
     )
+    stop_on_signals()
     try:
         with asyncio.Runner(loop_factory=event_loop_factory()) as runner:
             code = runner.run(serve_first(spec, config, sock))

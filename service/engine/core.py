@@ -38,6 +38,7 @@ from ddserve.errors import (
 log = logging.getLogger("ddserve.engine.core")
 PARENT_CHECK_MS = 1000  # how often an idle core looks whether its parent still lives
 LOAD_EVERY_S = 0.1  # a client with nothing to read still gets the load this often
+READY_WAIT_S = 60.0  # a client's connection READY waits for (it is connecting as it asks)
 
 
 class _CoreRequest(EngineRequest):
@@ -61,21 +62,29 @@ class EngineCore:
         self.requests: dict[int, _CoreRequest] = {}
         self.last_sent = [0.0] * len(pushes)
         # a parameter change waiting for the other clients' ACK: call_id -> [caller's client,
-        # its REPLY, clients still to ACK]
+        # clients still to ACK]
         self.pending: dict[int, list] = {}
         runner.on_iteration = self.flush
 
-    def send(self, msg: list, client: int = 0, *, wait: bool = True) -> bool:
-        """False when `wait` is off and the client has not connected yet (a bound PUSH with
-        no peer would block: a client still starting must not stall the scheduler)."""
+    def send(self, msg: list, client: int = 0, *, wait_s: float = 0.0) -> bool:
+        """False when the client is not connected (not yet, or no more: a bound PUSH with no
+        peer would block, and neither a client still starting nor a dead one may stall the
+        scheduler; with no high-water mark a connected one never does). `wait_s`: how long
+        to wait for it to connect (READY: the client asked for it, or started this core,
+        and is connecting)."""
         data = ipc.pack(msg)
-        with self.send_lock:
-            try:
-                self.pushes[client].send(data, 0 if wait else zmq.NOBLOCK, copy=False)
-            except zmq.Again:
+        deadline = time.monotonic() + wait_s
+        while True:
+            with self.send_lock:
+                try:
+                    self.pushes[client].send(data, zmq.NOBLOCK, copy=False)
+                    self.last_sent[client] = time.monotonic()
+                    return True
+                except zmq.Again:
+                    pass
+            if time.monotonic() >= deadline:
                 return False
-            self.last_sent[client] = time.monotonic()
-        return True
+            time.sleep(0.002)
 
     def send_to(self, ident: int, msg: list) -> None:
         """To the client of a request id or call id."""
@@ -119,10 +128,8 @@ class EngineCore:
             time.monotonic(),
         )
         for client, mine in enumerate(entries):
-            if mine:  # its requests: it is connected (it sent them)
+            if mine or idle or now - self.last_sent[client] > LOAD_EVERY_S:  # else nothing new
                 self.send([ipc.OUTPUTS, fingerprint, mine, load], client)
-            elif idle or now - self.last_sent[client] > LOAD_EVERY_S:  # the load only
-                self.send([ipc.OUTPUTS, fingerprint, mine, load], client, wait=False)
 
     # -- main thread ---------------------------------------------------------------------
     def serve(self, pull: zmq.Socket, parent: int | None = None) -> None:
@@ -148,7 +155,7 @@ class EngineCore:
             elif kind == ipc.CALL:
                 self._call(msg[1], msg[2], msg[3])
             elif kind == ipc.HELLO:
-                self.send([ipc.READY, self.info()], msg[1])
+                self.send([ipc.READY, self.info()], msg[1], wait_s=READY_WAIT_S)
             elif kind == ipc.ACK:
                 self._acked(msg[1], msg[2])
 
@@ -173,10 +180,10 @@ class EngineCore:
     def _call(self, call_id: int, method: str, args: dict) -> None:
         try:
             if method == "update_params":
-                new = self.runner.update_params(**args)
-                result = {"params": new.params.model_dump(), "info": self.info()}
-                if self._broadcast(call_id, result):
+                self.runner.update_params(**args)
+                if self._broadcast(call_id):
                     return  # answered once every other client has ACKed
+                result = self._params_result()
             elif method == "info":
                 result = self.info()
             else:
@@ -188,30 +195,38 @@ class EngineCore:
             status, body = openai_error_body(exc)
             self.send_to(call_id, [ipc.REPLY, call_id, status, body])
 
-    def _broadcast(self, call_id: int, result: dict) -> bool:
-        """New live parameters to every client but the caller; True when the caller's REPLY
-        waits for their ACKs."""
+    def _params_result(self) -> dict:
+        """The live parameters now: what a change's caller applies with its REPLY. Built when
+        the REPLY leaves, not when the change was made: a later change through another
+        client may have gone out (as PARAMS) in between, and the last word each client reads
+        must be the newest."""
+        return {"params": self.runner.config.params.model_dump(), "info": self.info()}
+
+    def _broadcast(self, call_id: int) -> bool:
+        """The new live parameters to every client but the caller; True when the caller's
+        REPLY waits for their ACKs."""
         n = len(self.pushes)
         caller = ipc.client_of(call_id, n)
+        info = self.info()
         others = {
             client
             for client in range(n)
             if client != caller  # one not connected yet reads the new info in its READY
-            and self.send([ipc.PARAMS, call_id, result["info"]], client, wait=False)
+            and self.send([ipc.PARAMS, call_id, info], client)
         }
         if not others:
             return False
-        self.pending[call_id] = [caller, [ipc.REPLY, call_id, 200, result], others]
+        self.pending[call_id] = [caller, others]
         return True
 
     def _acked(self, call_id: int, client: int) -> None:
         p = self.pending.get(call_id)
         if p is None:
             return
-        p[2].discard(client)
-        if not p[2]:
+        p[1].discard(client)
+        if not p[1]:
             del self.pending[call_id]
-            self.send(p[1], p[0])
+            self.send([ipc.REPLY, call_id, 200, self._params_result()], p[0])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -249,7 +264,9 @@ def main(argv: list[str] | None = None) -> int:
         runner = EngineRunner(config)
         runner.start()
         core = EngineCore(runner, pushes)
-        core.send([ipc.READY, core.info()])
+        if not core.send([ipc.READY, core.info()], wait_s=READY_WAIT_S):
+            log.error("the process that started this engine core never connected: exiting")
+            return 4
         log.info("engine core ready in %.1fs (pid %d)", time.perf_counter() - t0, os.getpid())
         core.serve(pull, parent=parent)
     except (SystemExit, KeyboardInterrupt):

@@ -11,15 +11,20 @@ __all__ = ["free_port"]  # the other test packages take loopback ports from here
 
 
 @contextlib.contextmanager
-def running_engine(*args: str):
-    """A real engine server process on loopback: a tiny random model with SmolLM2's tokenizer."""
+def running_engine(*args: str, env: dict | None = None):
+    """A real engine server process on loopback: a tiny random model with SmolLM2's tokenizer
+    (`env`: more variables for it)."""
     port = free_port()
     log = os.path.join(tempfile.mkdtemp(prefix="ddserve-test-"), "engine.log")
     eng = EngineProcess(
         None,
         port=port,
         log_path=log,
-        env={"DDSERVE_THREADS": "1", "DDSERVE_ADMIN_TOKEN": "s3cret"},  # never on argv
+        env={
+            "DDSERVE_THREADS": "1",
+            "DDSERVE_ADMIN_TOKEN": "s3cret",
+            **(env or {}),
+        },  # never on argv
         command=[sys.executable, "-m", "ddserve", "engine", "--port", str(port), *args],
     )
     eng.start()

@@ -105,6 +105,34 @@ def test_a_parameter_change_is_in_force_in_every_process_when_it_answers(three):
     assert len(live) == 1 and 'temperature="0.0"' in live[0], live
 
 
+def test_concurrent_changes_through_every_process_leave_all_on_the_last(three):
+    """Changes racing through different processes: whichever the core applied last is what
+    every process holds afterwards (a caller's answer carries the parameters as they are
+    when it leaves the core, not as its own change left them)."""
+    eng, clients = three
+    auth = {"Authorization": "Bearer s3cret"}
+    for round_ in range(6):
+        values = [round(0.1 + 0.05 * k + 0.01 * round_, 2) for k in range(6)]
+        posts = [
+            threading.Thread(
+                target=lambda v=v, k=k: httpx.post(
+                    eng.url + "/admin/params", json={"temperature": v}, headers=auth, timeout=60
+                )
+            )
+            for k, v in enumerate(values)
+        ]  # each on a connection of its own: spread over the processes
+        for t in posts:
+            t.start()
+        for t in posts:
+            t.join(60)
+        seen = {i: c.get("/server_info").json() for i, c in clients.items()}
+        temps = {i: d["config"]["params"]["temperature"] for i, d in seen.items()}
+        fps = {d["system_fingerprint"] for d in seen.values()}
+        assert len(set(temps.values())) == 1 and len(fps) == 1, (round_, temps)
+    r = clients[0].post("/admin/params", json={"temperature": 0.0}, headers=auth)
+    assert r.status_code == 200
+
+
 def test_a_dying_core_fails_every_process_s_streams_within_a_second(three):
     """Last in the module: the server goes down with its core."""
     eng, clients = three
@@ -164,6 +192,61 @@ def test_an_api_process_that_dies_takes_the_server_and_core_down():
         while time.monotonic() < deadline and alive(info["engine_pid"]):
             time.sleep(0.1)
         assert not alive(info["engine_pid"])
+
+
+def test_sigterm_drains_every_process_refuses_new_connections_and_cleans_up(tmp_path):
+    """systemd's stop (KillMode=mixed: SIGTERM to the server's main process): streams in
+    flight in every process finish, new connections are refused at once (no process keeps
+    accepting on the shared port), everything exits (0), no temporary directory is left."""
+    with running_engine(*MODEL, "--api-server-count", "2", env={"TMPDIR": str(tmp_path)}) as eng:
+        clients = pinned_clients(eng.url, 2)
+        core_pid = clients[0].get("/server_info").json()["engine_pid"]
+        body = {
+            "model": "tiny-random:7",
+            "prompt": "hi",
+            "max_tokens": 200,
+            "ignore_eos": True,
+            "stream": True,
+        }
+        started = threading.Barrier(3)
+        finishes: dict[int, object] = {}
+
+        def read(index: int, c: httpx.Client) -> None:
+            first = True
+            with c.stream("POST", "/v1/completions", json=body) as r:
+                for line in r.iter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    chunk = json.loads(line[6:])
+                    if "error" in chunk:
+                        finishes[index] = chunk["error"]
+                        return
+                    if first:
+                        first = False
+                        started.wait(30)
+                    if chunk["choices"][0]["finish_reason"]:
+                        finishes[index] = chunk["choices"][0]["finish_reason"]
+
+        threads = [threading.Thread(target=read, args=(i, c)) for i, c in clients.items()]
+        for t in threads:
+            t.start()
+        started.wait(60)
+        eng.proc.send_signal(signal.SIGTERM)
+        time.sleep(0.5)
+        refused = 0
+        for _ in range(5):  # fresh connections: whichever process would take them
+            try:
+                httpx.get(eng.url + "/server_info", timeout=2)
+            except httpx.TransportError:
+                refused += 1
+        for t in threads:
+            t.join(60)
+        assert finishes == {0: "length", 1: "length"}, finishes
+        assert refused == 5
+        eng.proc.wait(30)
+        assert eng.proc.returncode == 0
+        assert not alive(core_pid)
+        assert [p.name for p in tmp_path.iterdir() if p.name.startswith("ddserve-")] == []
 
 
 @pytest.mark.parametrize(
