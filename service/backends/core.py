@@ -120,12 +120,7 @@ class CoreBackend:
         process = CoreProcess(cfg, log_path=log_path, env=env, clients=clients)
         backend = cls(process, tokenizer, on_death=on_death, clients=clients)
         process.start()
-        try:
-            await backend._connect(timeout)
-        except BaseException:
-            await backend.aclose()
-            raise
-        return backend
+        return await backend._open(timeout)
 
     @classmethod
     async def attach(
@@ -145,12 +140,16 @@ class CoreBackend:
         backend = cls(
             CoreRef(cfg, pid, url), tokenizer, on_death=on_death, client=client, clients=clients
         )
+        return await backend._open(timeout)
+
+    async def _open(self, timeout: float) -> CoreBackend:
+        """Connected and READY, or closed and the reason raised."""
         try:
-            await backend._connect(timeout)
+            await self._connect(timeout)
         except BaseException:
-            await backend.aclose()
+            await self.aclose()
             raise
-        return backend
+        return self
 
     async def _connect(self, timeout: float) -> None:
         self._push.connect(self.process.in_addr)

@@ -95,6 +95,23 @@ def build_server(spec: ApiServer, config: EngineConfig, backend):
     )
 
 
+class Deaths:
+    """What died under a server (the core: its backend's `on_death`; an extra process: the
+    supervisor): each stops the server; any makes its exit code non-zero."""
+
+    def __init__(self):
+        self.messages: list[str] = []
+        self.server = None  # the uvicorn server, once there is one
+
+    def __call__(self, message: str) -> None:
+        self.messages.append(message)
+        if self.server is not None:
+            self.server.should_exit = True
+
+    def __bool__(self) -> bool:
+        return bool(self.messages)
+
+
 class Extras:
     """The N-1 extra API processes of a server: started, waited for, watched, stopped."""
 
@@ -220,14 +237,7 @@ async def serve_first(spec: ApiServer, config: EngineConfig, sock: socket.socket
     from ddserve.backends.core import CoreBackend
     from ddserve.engine.weights import load_tokenizer
 
-    died: list[str] = []
-    server = None
-
-    def on_death(msg: str) -> None:
-        died.append(msg)
-        if server is not None:
-            server.should_exit = True
-
+    died = Deaths()
     metrics_dir = None
     if spec.count > 1:  # every process's metrics, summed at /metrics
         label_logs(0, spec.count)
@@ -242,7 +252,7 @@ async def serve_first(spec: ApiServer, config: EngineConfig, sock: socket.socket
         tokenizer = asyncio.ensure_future(asyncio.to_thread(load_tokenizer, config.model))
         try:
             backend = await CoreBackend.start(
-                config, None, timeout=3600, on_death=on_death, clients=spec.count
+                config, None, timeout=3600, on_death=died, clients=spec.count
             )
         except BaseException:
             tokenizer.cancel()
@@ -253,7 +263,7 @@ async def serve_first(spec: ApiServer, config: EngineConfig, sock: socket.socket
             extras = Extras(spec, config, sock, backend.process.pid, backend.url)
             extras.start()
             await asyncio.to_thread(extras.wait_ready)
-        server = build_server(spec, config, backend)
+        server = died.server = build_server(spec, config, backend)
         print(
             f"ddserve engine: {config.model_id} on http://{spec.host}:{spec.port} (fingerprint {backend.fingerprint}, engine core pid {backend.process.pid}"
             + (f", {spec.count} API processes" if spec.count > 1 else "")
@@ -261,7 +271,7 @@ async def serve_first(spec: ApiServer, config: EngineConfig, sock: socket.socket
             + ")",
             flush=True,
         )
-        watch = asyncio.ensure_future(_supervise(server, extras, on_death)) if extras else None
+        watch = asyncio.ensure_future(_supervise(server, extras, died)) if extras else None
         try:
             if not died:
                 freeze_startup_heap()
@@ -304,14 +314,7 @@ async def serve_extra(payload: dict) -> int:
     spec = ApiServer(**payload["server"])
     config = EngineConfig.model_validate(payload["config"])
     sock = socket.socket(fileno=payload["fd"])
-    died: list[str] = []
-    server = None
-
-    def on_death(msg: str) -> None:
-        died.append(msg)
-        if server is not None:
-            server.should_exit = True
-
+    died = Deaths()
     tokenizer = await asyncio.to_thread(load_tokenizer, config.model)
     backend = await CoreBackend.attach(
         config,
@@ -320,10 +323,10 @@ async def serve_extra(payload: dict) -> int:
         url=payload["core_url"],
         client=spec.index,
         clients=spec.count,
-        on_death=on_death,
+        on_death=died,
     )
     try:
-        server = build_server(spec, config, backend)
+        server = died.server = build_server(spec, config, backend)
         os.write(payload["ready_fd"], b"1")
         os.close(payload["ready_fd"])
         if not died:

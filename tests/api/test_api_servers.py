@@ -144,35 +144,15 @@ def test_a_dying_core_fails_every_process_s_streams_within_a_second(three):
         "ignore_eos": True,
         "stream": True,
     }
-    started = threading.Barrier(len(clients) + 1)
+    threads, started, results = streams_on_every_process(clients, "/v1/chat/completions", body)
     killed: list[float] = []
-    results: dict[int, tuple] = {}
-
-    def read(index: int, c: httpx.Client) -> None:
-        first = True
-        with c.stream("POST", "/v1/chat/completions", json=body) as r:
-            for line in r.iter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                if "error" in chunk:
-                    results[index] = (chunk["error"], time.monotonic())
-                    return
-                if first:
-                    first = False
-                    started.wait(30)
-        results[index] = (None, time.monotonic())
-
-    threads = [threading.Thread(target=read, args=(i, c)) for i, c in clients.items()]
-    for t in threads:
-        t.start()
     started.wait(60)
     os.kill(core_pid, signal.SIGKILL)
     killed.append(time.monotonic())
     for t in threads:
         t.join(30)
     for index, (error, at) in results.items():
-        assert error is not None and "exited" in error["message"], (index, error)
+        assert isinstance(error, dict) and "exited" in error["message"], (index, error)
         assert at - killed[0] < 1.0, (index, at - killed[0])
     assert len(results) == 3
     eng.proc.wait(30)  # the whole server goes down: a supervisor restarts it
@@ -208,28 +188,7 @@ def test_sigterm_drains_every_process_refuses_new_connections_and_cleans_up(tmp_
             "ignore_eos": True,
             "stream": True,
         }
-        started = threading.Barrier(3)
-        finishes: dict[int, object] = {}
-
-        def read(index: int, c: httpx.Client) -> None:
-            first = True
-            with c.stream("POST", "/v1/completions", json=body) as r:
-                for line in r.iter_lines():
-                    if not line.startswith("data: ") or line == "data: [DONE]":
-                        continue
-                    chunk = json.loads(line[6:])
-                    if "error" in chunk:
-                        finishes[index] = chunk["error"]
-                        return
-                    if first:
-                        first = False
-                        started.wait(30)
-                    if chunk["choices"][0]["finish_reason"]:
-                        finishes[index] = chunk["choices"][0]["finish_reason"]
-
-        threads = [threading.Thread(target=read, args=(i, c)) for i, c in clients.items()]
-        for t in threads:
-            t.start()
+        threads, started, results = streams_on_every_process(clients, "/v1/completions", body)
         started.wait(60)
         eng.proc.send_signal(signal.SIGTERM)
         time.sleep(0.5)
@@ -241,7 +200,7 @@ def test_sigterm_drains_every_process_refuses_new_connections_and_cleans_up(tmp_
                 refused += 1
         for t in threads:
             t.join(60)
-        assert finishes == {0: "length", 1: "length"}, finishes
+        assert {i: r[0] for i, r in results.items()} == {0: "length", 1: "length"}, results
         assert refused == 5
         eng.proc.wait(30)
         assert eng.proc.returncode == 0
@@ -260,6 +219,35 @@ def test_sigterm_drains_every_process_refuses_new_connections_and_cleans_up(tmp_
 def test_a_bad_api_server_count_is_one_line(args, env, needle):
     line = one_line(ddserve("engine", *args, env=env), 2)
     assert needle in line, line
+
+
+def streams_on_every_process(clients: dict, path: str, body: dict):
+    """One stream through each pinned client, each in a thread; returns (threads, started,
+    results) where `started` is a barrier the caller waits on too (every stream has its first
+    chunk) and results[index] = (the error body or the finish reason, when it came)."""
+    started = threading.Barrier(len(clients) + 1)
+    results: dict[int, tuple] = {}
+
+    def read(index: int, c: httpx.Client) -> None:
+        first, finish = True, None
+        with c.stream("POST", path, json=body) as r:
+            for line in r.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    results[index] = (chunk["error"], time.monotonic())
+                    return
+                if first:
+                    first = False
+                    started.wait(30)
+                finish = chunk["choices"][0]["finish_reason"] or finish
+        results[index] = (finish, time.monotonic())
+
+    threads = [threading.Thread(target=read, args=(i, c)) for i, c in clients.items()]
+    for t in threads:
+        t.start()
+    return threads, started, results
 
 
 def metric(text: str, series: str) -> float:
