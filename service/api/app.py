@@ -96,7 +96,6 @@ def create_app(
             load=engine_load(backend),
             record_reconfig=True,
         )
-    index, count = api_server
     stats = StatsLog(backend, stats_interval_s)
 
     @contextlib.asynccontextmanager
@@ -115,7 +114,8 @@ def create_app(
     if access_log:
         app.add_middleware(AccessLog)  # outermost: sees every answer, 401s and 413s included
     s = Served(backend, limits, stream_interval)
-    s.api_server |= {"index": index, "count": count}
+    index, count = api_server
+    s.api_server = {"index": index, "count": count, "pid": os.getpid()}  # /server_info says it
 
     @app.exception_handler(DDServeError)
     async def _ddserve_error(_: Request, exc: DDServeError):

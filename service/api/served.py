@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 from collections.abc import AsyncIterator
 
@@ -78,8 +77,6 @@ class Served:
                     "prompts are tokenised whole (this tokenizer is not known to split exactly)"
                 )
         self.strings = TokenStrings(backend.tokenizer)  # token id -> (text, bytes), log-probs
-        # which API process this is (ddserve.cli.api_server): /server_info says it
-        self.api_server = {"index": 0, "count": 1, "pid": os.getpid()}
 
     async def admit(self):
         """A dependency of the generation endpoints: one admission for the whole request,

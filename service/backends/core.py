@@ -82,8 +82,7 @@ class CoreBackend:
         self._info: dict = {}
         self._load: dict = {}
         self._streams: dict[int, _Stream] = {}
-        self._calls: dict[int, asyncio.Future] = {}
-        self._info_calls: dict[int, str] = {}  # calls answered with the live config
+        self._calls: dict[int, tuple[asyncio.Future, str]] = {}  # call id -> (answer, method)
         # ids of this client's requests and calls: client, client + N, ... (ddserve.engine.ipc)
         self._ids = itertools.count(clients + client, clients)
         self._dead: EngineUnavailable | None = None
@@ -207,11 +206,10 @@ class CoreBackend:
                     if s is not None:
                         s.queue.put_nowait(entry)
             elif kind == ipc.REPLY:
-                fut = self._calls.pop(msg[1], None)
+                fut, method = self._calls.pop(msg[1], (None, None))
                 # the core's live config in force here in channel order (a PARAMS read
                 # after this answer is newer; the caller resumes only later)
-                method = self._info_calls.pop(msg[1], None)
-                if method is not None and msg[2] == 200:
+                if msg[2] == 200 and method in ("info", "update_params"):
                     self._ready(msg[3]["info"] if method == "update_params" else msg[3])
                 if fut is not None and not fut.done():
                     fut.set_result((msg[2], msg[3]))
@@ -244,7 +242,7 @@ class CoreBackend:
         self._dead = exc
         for s in self._streams.values():
             s.queue.put_nowait(exc)
-        for fut in self._calls.values():
+        for fut, _ in self._calls.values():
             if not fut.done():
                 fut.set_exception(exc)
         self._calls.clear()
@@ -265,20 +263,16 @@ class CoreBackend:
             raise self._dead
         call_id = next(self._ids)
         fut = asyncio.get_running_loop().create_future()
-        self._calls[call_id] = fut
-        if method in ("info", "update_params"):
-            self._info_calls[call_id] = method
+        self._calls[call_id] = (fut, method)
         try:
             self._send([ipc.CALL, call_id, method, args])
         except EngineUnavailable:
             self._calls.pop(call_id, None)
-            self._info_calls.pop(call_id, None)
             raise
         try:
             status, payload = await asyncio.wait_for(fut, timeout)
         except TimeoutError as exc:
             self._calls.pop(call_id, None)
-            self._info_calls.pop(call_id, None)
             raise EngineUnavailable(
                 f"engine core did not answer {method} in {timeout:.0f}s"
             ) from exc
