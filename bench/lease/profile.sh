@@ -5,7 +5,11 @@
 mkdir -p /root/parts /root/res && cp .carry/q3/SmolLM2* /root/parts/ 2>/dev/null
 . bench/device_env.sh /root/parts
 R=/root/res
-timeout ${LIMIT:-500} python3 -m ddserve.bench.round_profile --device cuda \
-    --configs ${CONFIGS:-ar,dflash-b0,dflash-b7k4,dflash-b16k4} --batches ${BATCHES:-16,64} \
-    --rounds ${ROUNDS:-50} --name ${NAME:-round_profile} --out $R 2>&1 | grep -v -e transformers -e Convert -e Loading
+for pass in "0 16,64 300" "1 64 220"; do  # turnover, batches, limit (s)
+    set -- $pass
+    timeout $3 python3 -m ddserve.bench.round_profile --device cuda \
+        --configs ${CONFIGS:-ar,dflash-b0,dflash-b7k4} --batches $2 --turnover $1 \
+        --rounds ${ROUNDS:-50} --name round_profile_t$1 --out $R 2>&1 |
+        grep -v -e transformers -e Convert -e Loading
+done
 tar czf $OUT/res-profile.tgz -C /root res
