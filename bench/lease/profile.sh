@@ -1,7 +1,8 @@
 # Ninth session, the third call of a lease whose calls 1-2 carried the GGUF's first parts
 # (`.carry/q1` with `.whl`, then `.carry/q2`): this one carries `.carry/q3` and profiles a round
-# of the static engine at 16 and 64 requests (`bench.round_profile`: AR, the DFlash engine at
-# budget 0, fixed b7/k4 and b16/k4), where issue 14's C=64 loses to AR.
+# of the static engine (`bench.round_profile`: AR, the DFlash engine at budget 0, fixed b7/k4),
+# where issue 14's C=64 loses to AR: the same requests throughout at 16 and 64, then at 64
+# with one leaving and one joining every round (as served at C=64).
 mkdir -p /root/parts /root/res && cp .carry/q3/SmolLM2* /root/parts/ 2>/dev/null
 . bench/device_env.sh /root/parts
 R=/root/res
