@@ -280,22 +280,33 @@ class StaticDFlash:
 
     @torch.inference_mode()
     def extend(self, slot: int, start: int, taps: torch.Tensor) -> None:
-        """Eagerly write the context keys/values of many committed tokens (a prompt's)."""
+        """Eagerly write the context keys/values of many committed tokens (a prompt's) at
+        positions start.. of one slot: contiguous, so each layer's keys and values go in by
+        one slice copy (no index tensors: on the H200 the indexed writes and the index's
+        host-to-device copy made a newcomer's catch-up ~0.9 ms of host time, bench/NOTES.md)."""
         n = taps.shape[0]
         wpos = torch.arange(start, start + n, device=taps.device)
-        rows = torch.tensor([slot], device=taps.device)
-        self._write_context(taps.to(self.d.target.dtype), rows, wpos[None])
+        for i, (k, v) in enumerate(self._context_kv(taps.to(self.d.target.dtype), wpos)):
+            self.pool.k[i][slot, :, start : start + n] = k.transpose(0, 1)
+            self.pool.v[i][slot, :, start : start + n] = v.transpose(0, 1)
+
+    def _context_kv(self, taps, wpos):
+        """Per drafter layer, the context keys (RoPE applied) and values [N, kvh, hd] of the
+        tapped features `taps` [N, taps*H] at positions `wpos` (N of them, any shape)."""
+        net, c = self.d.net, self.c
+        feats = net.project(taps)  # [N, H]
+        cos, sin = net.rotary(wpos.reshape(-1), feats.dtype)
+        for layer in net.layers:
+            kv = linear(feats, layer.qkv_weight[c.num_heads * c.head_dim :])
+            k, v = kv.view(-1, 2 * c.num_kv_heads, c.head_dim).chunk(2, dim=1)
+            yield apply_rope(k, cos[:, None], sin[:, None]), v
 
     def _write_context(self, taps, rows, wpos) -> None:
-        net = self.d.net
+        """The context keys/values of `taps` [B*Wn, ...] at positions `wpos` [B, Wn] of the
+        slots `rows` [B] (a draft graph's write: any positions, padding to guard entries)."""
         c = self.c
-        feats = net.project(taps)  # [B*Wn, H]
-        cos, sin = net.rotary(wpos.reshape(-1), feats.dtype)
         b, wn = wpos.shape
-        for i, layer in enumerate(net.layers):
-            kv = linear(feats, layer.qkv_weight[c.num_heads * c.head_dim :])
-            k, v = kv.view(b * wn, 2 * c.num_kv_heads, c.head_dim).chunk(2, dim=1)
-            k = apply_rope(k, cos[:, None], sin[:, None])
+        for i, (k, v) in enumerate(self._context_kv(taps, wpos)):
             self.pool.k[i][rows[:, None], :, wpos] = k.reshape(b, wn, c.num_kv_heads, c.head_dim)
             self.pool.v[i][rows[:, None], :, wpos] = v.reshape(b, wn, c.num_kv_heads, c.head_dim)
 

@@ -265,6 +265,29 @@ def test_batched_prefill_of_long_and_short_prompts(tiny, chunk):
     assert [s.stats.accept_lengths for s in seqs] == [s.stats.accept_lengths for s in alone]
 
 
+def test_drafter_context_catch_up_equals_the_indexed_write(tiny):
+    """A prompt's drafter context goes in by slice copies (`StaticDraft.extend`); the draft
+    graph's indexed write of the same features at the same positions leaves the same pool,
+    bit for bit, and touches nothing else."""
+    eng = StaticEngine(
+        tiny, DFlashDrafter(random_dflash(tiny), tiny), 6, (), slots=4, max_context=256,
+        graphs=False,
+    )  # fmt: skip
+    sd = eng.sdraft
+    gen = torch.Generator().manual_seed(1)
+    taps = torch.randn(37, sd.feats.shape[-1], generator=gen)
+    sd.extend(2, 5, taps)
+    sliced = (sd.pool.k.clone(), sd.pool.v.clone())
+    sd.pool.k.zero_()
+    sd.pool.v.zero_()
+    sd._write_context(taps, torch.tensor([2]), torch.arange(5, 42)[None])
+    assert torch.equal(sliced[0], sd.pool.k) and torch.equal(sliced[1], sd.pool.v)
+    assert sliced[0][:, 2, :, 5:42].abs().sum() > 0  # written ...
+    assert (
+        sliced[0][:, 2, :, 42:].abs().sum() == 0 == sliced[0][:, :2].abs().sum()
+    )  # ... only there
+
+
 @pytest.mark.parametrize("shapes", ["captured", "exact"])
 def test_a_prefill_budget_bounds_the_whole_call(tiny, shapes):
     """A budgeted prefill spends at most the budget, over all the rows of a forward.
