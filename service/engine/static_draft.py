@@ -66,20 +66,17 @@ class Drafting:
         b = next_bucket(self.pool.used_rows, 1, self.pool.slots)
         q, ml = depth + 1, self.pool.max_len
         cwpos, fed = self._feed_context(seqs, b)
+        slots, root_pos = self._rows(seqs)  # root_pos: the context once fed
         root = np.zeros(b, dtype=np.int64)
         bwpos = np.tile(np.arange(ml - q, ml), (b, 1))
         bpos = np.zeros((b, q), dtype=np.int64)
         lens = np.zeros(b, dtype=np.int64)
         window = np.full(b, ml, dtype=np.int64)
-        longest = 0
-        for seq in seqs:
-            s, root_pos = seq.cache.slot, len(seq.tokens) - 1  # the context once fed
-            root[s] = seq.tokens[-1]
-            bwpos[s] = bpos[s] = root_pos + np.arange(q)
-            lens[s], window[s] = root_pos, params.window
-            longest = max(longest, root_pos + q)
+        root[slots] = [seq.tokens[-1] for seq in seqs]
+        bwpos[slots] = bpos[slots] = root_pos[:, None] + np.arange(q)
+        lens[slots], window[slots] = root_pos, params.window
         packed = pack_draft(cwpos, root, bwpos, bpos, lens, window)
-        ctx = self.target.ctx_bucket(longest)
+        ctx = self.target.ctx_bucket(int(root_pos.max()) + q)
         if self.device_tree:  # the trees on the GPU, left there for the verify
             width, bound = self.tree_width(params.budget, params.topk, depth)
             key = (b, depth, ctx, params.topk, params.budget, width)
@@ -108,18 +105,29 @@ class Drafting:
         length once they are written: `_fed` records it after the write is queued, so a draft
         that raises leaves the rows pending for the retry."""
         wn, ml = self.sdraft.new_rows, self.pool.max_len
-        cwpos = np.tile(np.arange(ml - wn, ml), (b, 1))
-        fed = []
         for seq in seqs:
-            self._catch_up(seq)
-            s, start, n = seq.cache.slot, seq.draft_state, seq.pending
-            cwpos[s, :n] = start + np.arange(n)
-            if start + n != len(seq.tokens) - 1:
-                raise EngineError(
-                    f"DFlash context covers {start + n} tokens, expected {len(seq.tokens) - 1}"
-                )
-            fed.append((seq, start + n))
-        return cwpos, fed
+            if seq.hidden_new:
+                self._catch_up(seq)
+        slots, want = self._rows(seqs)
+        start = np.fromiter((seq.draft_state for seq in seqs), np.int64, len(seqs))
+        fed = start + np.fromiter((seq.pending for seq in seqs), np.int64, len(seqs))
+        if (bad := np.flatnonzero(fed != want)).size:
+            i = bad[0]
+            raise EngineError(f"DFlash context covers {fed[i]} tokens, expected {want[i]}")
+        j = np.arange(wn)
+        cwpos = np.tile(np.arange(ml - wn, ml), (b, 1))
+        cwpos[slots] = np.where(j < (fed - start)[:, None], start[:, None] + j, cwpos[slots])
+        return cwpos, list(zip(seqs, fed.tolist(), strict=True))
+
+    @staticmethod
+    def _rows(seqs: list[Sequence]) -> tuple[np.ndarray, np.ndarray]:
+        """Each sequence's KV slot and the length of its committed context but the last token
+        (the root of its next tree), as arrays in `seqs` order."""
+        n = len(seqs)
+        return (
+            np.fromiter((seq.cache.slot for seq in seqs), np.int64, n),
+            np.fromiter((len(seq.tokens) - 1 for seq in seqs), np.int64, n),
+        )
 
     @staticmethod
     def _fed(fed) -> None:
@@ -129,7 +137,7 @@ class Drafting:
     def _catch_up(self, seq: Sequence) -> None:
         """A prompt's context rows (more than one round's), written eagerly after prefill."""
         if seq.hidden_new:
-            taps = torch.cat(seq.hidden_new)
+            taps = seq.hidden_new[0] if len(seq.hidden_new) == 1 else torch.cat(seq.hidden_new)
             seq.hidden_new.clear()
             self.sdraft.extend(seq.cache.slot, seq.draft_state, taps)
             seq.draft_state += taps.shape[0]

@@ -78,11 +78,7 @@ from ddserve.engine.static_prefill import (
     Prefill,
     fresh_chunks,
 )
-from ddserve.engine.tree import (
-    DeviceTrees,
-    accept,
-    ancestor_mask,
-)
+from ddserve.engine.tree import DeviceTrees, accept_batch, ancestor_mask
 from ddserve.errors import EngineError
 
 log = logging.getLogger(__name__)
@@ -93,7 +89,8 @@ class StaticEngine(Prefill, Drafting):
     requests at a time, each up to `max_context` tokens; `graphs` applies only on CUDA,
     `compile` wherever asked (the runner asks on CUDA)."""
 
-    accept = staticmethod(accept)  # the accept rule (ddserve.engine.tree); a test seam
+    accept_batch = staticmethod(accept_batch)  # the accept rule (ddserve.engine.tree); a seam
+    on_trees = None  # a test's seam: called with each round's trees (Tree objects) as verified
 
     def __init__(
         self,
@@ -270,6 +267,7 @@ class StaticEngine(Prefill, Drafting):
         wpos = np.tile(np.arange(self.pool.max_len - w, self.pool.max_len), (b, 1))
         lens = np.zeros(b, dtype=np.int64)
         tree_m = None if on_device else np.tile(np.eye(w, dtype=bool), (b, 1, 1))
+        par = None if on_device else np.full((b, w), -2, dtype=np.int64)  # for the walk
         slots = [seq.cache.slot for seq in seqs]
         starts = np.array([seq.cache.length for seq in seqs], dtype=np.int64)
         wpos[slots] = starts[:, None] + np.arange(w)
@@ -278,9 +276,10 @@ class StaticEngine(Prefill, Drafting):
         if not on_device:
             for slot, n0, tree in zip(slots, starts.tolist(), drafted, strict=True):
                 if tree.size == 1:  # the root alone (plain decoding): the eye's row, depth 0
-                    tokens[slot, 0], pos[slot, 0] = tree.tokens[0], n0
+                    tokens[slot, 0], pos[slot, 0], par[slot, 0] = tree.tokens[0], n0, -1
                     continue
                 tokens[slot, : tree.size] = tree.tokens
+                par[slot, : tree.size] = tree.parents
                 pos[slot, : tree.size] = n0 + np.asarray(tree.depths)
                 tree_m[slot] = ancestor_mask(tree, w)
         for seq, n in zip(seqs, sizes, strict=True):
@@ -311,69 +310,76 @@ class StaticEngine(Prefill, Drafting):
         if on_device:  # the trees come back with the verify's argmax: still one sync
             both = torch.cat([top, *drafted.for_host(b * w)]).cpu().numpy()
             top, k = both[: top.shape[0]], top.shape[0]
-            trees = [drafted.tree(both[k:], seq.cache.slot * w, w) for seq in seqs]
+            tokens, par = both[k].reshape(b, w), both[k + 1].reshape(b, w)
+            if self.on_trees is not None:
+                self.on_trees([drafted.tree(both[k:], slot * w, w) for slot in slots])
         else:
-            top, trees = top.cpu().numpy(), drafted  # the one sync of the verify
+            top = top.cpu().numpy()  # the one sync of the verify
+            if self.on_trees is not None:
+                self.on_trees(drafted)
         t3 = time.perf_counter()
-        # decide every sequence's path first (no state changes: a failure here is its own)
-        decided: list[tuple[list[int], int] | Exception] = []
-        # every row's flags at once; a request's own rows only where some row failed
-        finite = bool(top[1].all())
-        drawn = top.shape[0] < 3 or bool(top[2].all())
-        for seq, tree in zip(seqs, trees, strict=True):
-            r0 = seq.cache.slot * w
-            try:
-                if not finite and not top[1, r0 : r0 + tree.size].all():
-                    raise EngineError("the target produced non-finite logits (broken weights?)")
-                if not (drawn or seq.sampling.greedy) and not top[2, r0 : r0 + tree.size].all():
-                    raise EngineError(
+        # every sequence's path at once (no state changes: a failure here is its own)
+        rows = np.asarray(slots)
+        parents = par[rows]
+        nodes = parents != -2  # a tree's own nodes (its rows), not the padding after them
+        paths, lengths, bonus = self.accept_batch(tokens[rows], parents, top[0].reshape(b, w)[rows])
+        failed = {}  # index in seqs -> what ended it; a request's own rows only where some failed
+        if not top[1].all():
+            for i in np.flatnonzero(~(top[1].reshape(b, w)[rows].astype(bool) | ~nodes).all(1)):
+                failed[int(i)] = EngineError(
+                    "the target produced non-finite logits (broken weights?)"
+                )
+        if top.shape[0] >= 3 and not top[2].all():
+            for i in np.flatnonzero(~(top[2].reshape(b, w)[rows].astype(bool) | ~nodes).all(1)):
+                if i not in failed and not seqs[i].sampling.greedy:
+                    failed[int(i)] = EngineError(
                         "sampling found no finite distribution at this request's temperature, "
                         "top_p and top_k"
                     )
-                decided.append(self.accept(tree, top[0, r0 : r0 + tree.size].tolist()))
-            except Exception as exc:  # noqa: BLE001 - this sequence's failure, not the round's
-                decided.append(exc)
+        ok = np.ones(len(seqs), dtype=bool)
+        ok[list(failed)] = False
+        path_tokens = np.take_along_axis(tokens[rows], np.maximum(paths, 0), axis=1).tolist()
+        decided: list[tuple[list[int], list[int], int] | Exception] = []
+        for i, (p, n, pt, bt) in enumerate(
+            zip(paths.tolist(), lengths.tolist(), path_tokens, bonus.tolist(), strict=True)
+        ):
+            decided.append(failed[i] if i in failed else (p[:n], pt[:n], bt))
         # raw log-probs of the tokens each path emits, read at the rows they were chosen at
         # (root + accepted nodes), for the requests that ask; shared, so before any commit
         asking = [
-            (seq, tree, d)
-            for seq, tree, d in zip(seqs, trees, decided, strict=True)
+            (seq, d)
+            for seq, d in zip(seqs, decided, strict=True)
             if seq.logprobs is not None and not isinstance(d, Exception)
         ]
         round_logprobs = {}
         if asking:
             groups = []
-            for seq, tree, (path, bonus) in asking:
+            for seq, (path, ptoks, bt) in asking:
                 r0 = seq.cache.slot * w
-                rows = [r0 + i for i in (0, *path)]
-                groups.append(
-                    (rows, [tree.tokens[i] for i in path] + [bonus], seq.sampling.logprobs)
-                )
-            for (seq, _, _), lp in zip(asking, gather_logprobs(logits, groups), strict=True):
+                groups.append(([r0 + i for i in (0, *path)], ptoks + [bt], seq.sampling.logprobs))
+            for (seq, _), lp in zip(asking, gather_logprobs(logits, groups), strict=True):
                 round_logprobs[id(seq)] = lp
-        # move the accepted paths' KV (and drafter features) for the whole batch; this writes
-        # only pending entries, so if it fails nothing committed has changed
-        moves, src, dst = ([], [], []), [], []
-        for seq, d in zip(seqs, decided, strict=True):
-            if isinstance(d, Exception):
-                continue
-            keep = [0, *d[0]]
-            n0, slot = seq.cache.length, seq.cache.slot
-            for j, i in enumerate(keep):
-                if i != j:
-                    moves[0].append(slot)
-                    moves[1].append(n0 + j)
-                    moves[2].append(n0 + i)
-            if self.sdraft is not None:  # root + accepted path feed the next draft, after
-                # the rows still waiting to be written (budget-0 rounds defer the write)
-                src += [slot * w + i for i in keep]
-                at = slot * self.sdraft.new_rows + seq.pending
-                dst += [at + j for j in range(len(keep))]
+        # move the accepted paths' KV (and drafter features) for the whole batch: entry
+        # start + j of a slot takes start + keep[j] (keep = root, then the path's nodes);
+        # this writes only pending entries, so if it fails nothing committed has changed
+        keep = np.concatenate([np.zeros((len(seqs), 1), np.int64), paths], axis=1)
+        j = np.arange(keep.shape[1])
+        kept = (j <= lengths[:, None]) & ok[:, None]
+        moved = kept & (keep != j)
+        parts = [
+            np.broadcast_to(rows[:, None], keep.shape)[moved],
+            (starts[:, None] + j)[moved],
+            (starts[:, None] + keep)[moved],
+        ]
+        if self.sdraft is not None:  # root + accepted path feed the next draft, after the
+            # rows still waiting to be written (budget-0 rounds defer the write)
+            pending = np.fromiter((seq.pending for seq in seqs), np.int64, len(seqs))
+            at = rows * self.sdraft.new_rows + pending
+            parts += [(at[:, None] + j)[kept], (rows[:, None] * w + keep)[kept]]
         # every index of the moves in one host->device copy
-        n, m = len(moves[0]), len(dst)
+        n, m = int(moved.sum()), int(kept.sum()) if self.sdraft is not None else 0
         if n or m:
-            idx = np.array([*moves[0], *moves[1], *moves[2], *dst, *src], np.int64)
-            idx = torch.from_numpy(idx).to(self.pool.k.device)
+            idx = torch.from_numpy(np.concatenate(parts)).to(self.pool.k.device)
             self.pool.move(idx[:n], idx[n : 2 * n], idx[2 * n : 3 * n])
         if m:  # copied out now: the next forward of this shape overwrites `taps`
             feats = self.sdraft.feats.flatten(0, 1)
@@ -381,17 +387,17 @@ class StaticEngine(Prefill, Drafting):
             feats.index_copy_(0, idx[at : at + m], taps.index_select(0, idx[at + m :]))
         # commit: host state only
         out: list[Outcome] = []
-        for seq, tree, d in zip(seqs, trees, decided, strict=True):
+        for seq, d in zip(seqs, decided, strict=True):
             if isinstance(d, Exception):
                 seq.finish_reason = "error"
                 out.append(d)
                 continue
-            path, bonus = d
+            path, ptoks, bt = d
             seq.last_path = path
             seq.cache.length += len(path) + 1
             if self.sdraft is not None:
                 seq.pending += len(path) + 1
-            new = [tree.tokens[i] for i in path] + [bonus]
+            new = ptoks + [bt]
             new = truncate_at_stop(seq, new, self.eos_token_ids)
             seq.tokens.extend(new)
             seq.output.extend(new)
@@ -403,11 +409,11 @@ class StaticEngine(Prefill, Drafting):
         tm["rounds"] += 1
         tm["verify_s"] += t3 - t2
         tm["accept_s"] += t4 - t3 + t2 - t1
-        for seq, new, tree in zip(seqs, out, trees, strict=True):
+        for seq, new, size in zip(seqs, out, nodes.sum(axis=1).tolist(), strict=True):
             if isinstance(new, Exception):
                 continue
             st = seq.stats
-            st.draft_tokens += tree.size - 1
+            st.draft_tokens += size - 1
             st.draft_s += (t1 - t0) / len(seqs)
             st.verify_s += t4 - t1
             st.verify_rounds += 1

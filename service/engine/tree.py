@@ -171,6 +171,33 @@ def accept(tree: Tree, targets: list[int]) -> tuple[list[int], int]:
         node = child
 
 
+def accept_batch(
+    tokens: np.ndarray, parents: np.ndarray, targets: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """`accept` for a batch of trees at once, as arrays [N, W] in creation order (node 0 the
+    root: parent -1; padding past a tree: parent -2; a parent's children in the order they
+    were made). Walks every tree a depth at a time: the child of the current node whose
+    token is the target's at it, the first such in creation order, as `accept` picks.
+    Returns (paths [N, W-1]: accepted node indices, -1 past a path's end; lengths [N];
+    bonus tokens [N])."""
+    n, w = tokens.shape
+    rows = np.arange(n)
+    paths = np.full((n, max(w - 1, 0)), -1, dtype=np.int64)
+    cur = np.zeros(n, dtype=np.int64)
+    alive = np.ones(n, dtype=bool)
+    for d in range(w - 1):
+        want = targets[rows, cur]
+        match = (parents == cur[:, None]) & (tokens == want[:, None])
+        alive &= match.any(axis=1)
+        if not alive.any():
+            break
+        nxt = match.argmax(axis=1)
+        paths[alive, d] = nxt[alive]
+        cur = np.where(alive, nxt, cur)
+    lengths = (paths >= 0).sum(axis=1)
+    return paths, lengths, targets[rows, cur]
+
+
 def ancestor_mask(tree: Tree, width: int | None = None) -> np.ndarray:
     """[W, W] bool (W = width or the tree's size): mask[i, j] = node j is node i or one of
     its ancestors. Rows past the tree (padding to a fixed width) see only themselves."""

@@ -234,9 +234,12 @@ class Draft:
 
 
 def record_trees(engine) -> list[Draft]:
-    """Every tree `engine` verifies from now on, through its accept seam: two engines that
+    """Every tree `engine` verifies from now on, through its tree seam: two engines that
     must draft alike are compared draft for draft (`Draft`: up to the order of tied nodes)."""
     trees: list[Draft] = []
+    if hasattr(engine, "on_trees"):  # the static engine walks a round's trees at once
+        engine.on_trees = lambda ts: trees.extend(Draft(t.tokens, t.node_logws) for t in ts)
+        return trees
 
     def recording(tree, targets):
         trees.append(Draft(tree.tokens, tree.node_logws))

@@ -231,14 +231,23 @@ class WrongVerifier(StaticEngine):
     draft in its top-3 — a plausible-looking but biased rule the test must reject."""
 
     @staticmethod
-    def accept(tree, targets):
-        path, node = [], 0
-        while tree.first_child[node] != -1 and (
-            targets[node] == tree.tokens[tree.first_child[node]] or targets[node] % 2 == 0
-        ):
-            node = tree.first_child[node]
-            path.append(node)
-        return path, targets[node]
+    def accept_batch(tokens, parents, targets):
+        n, w = tokens.shape
+        paths, lengths, bonus = (
+            np.full((n, w - 1), -1),
+            np.zeros(n, np.int64),
+            np.zeros(n, np.int64),
+        )
+        for r in range(n):
+            node = 0
+            while (kids := np.flatnonzero(parents[r] == node)).size and (
+                targets[r, node] == tokens[r, kids[0]] or targets[r, node] % 2 == 0
+            ):
+                node = int(kids[0])
+                paths[r, lengths[r]] = node
+                lengths[r] += 1
+            bonus[r] = targets[r, node]
+        return paths, lengths, bonus
 
 
 def sample_pairs(engine_cls, target, draft, t, top_p, top_k, n, bias=None):

@@ -1,10 +1,11 @@
 import itertools
 import math
 
+import numpy as np
 import pytest
 import torch
 
-from ddserve.engine.tree import build_tree, tree_mask
+from ddserve.engine.tree import Tree, accept, accept_batch, build_tree, tree_mask
 
 
 def lp(*rows):
@@ -91,3 +92,47 @@ def test_best_first_equals_top_budget_of_full_tree(seed):
         assert all(t.depths[c] == t.depths[n] + 1 for c in kids)
         stack.extend(kids)
     assert sorted(seen) == list(range(t.size))
+
+
+def test_accept_batch_equals_accept_tree_by_tree():
+    """The batched walk picks what `accept` picks for every tree of a batch: random trees of
+    every shape (chains, bushy, root alone, padded to a common width), targets that follow
+    the tree for a while and then leave it, and siblings that share a token (the first made
+    wins in both)."""
+    gen = torch.Generator().manual_seed(7)
+    rng = np.random.default_rng(7)
+    trees = []
+    for i in range(300):
+        depth, k, budget = (
+            int(rng.integers(1, 6)),
+            int(rng.integers(1, 5)),
+            int(rng.integers(0, 20)),
+        )
+        logp = torch.log_softmax(torch.randn(depth, 6, generator=gen), -1)
+        t = build_tree(int(rng.integers(0, 6)), logp, budget, k)
+        if i % 10 == 0 and len(t.children(0)) > 1:  # two siblings with one token
+            a, b = t.children(0)[:2]
+            t = Tree.from_parents(
+                [x if j != b else t.tokens[a] for j, x in enumerate(t.tokens)],
+                t.parents,
+                t.node_logws,
+            )
+        trees.append(t)
+    w = max(t.size for t in trees) + 3
+    tokens = np.zeros((len(trees), w), np.int64)
+    parents = np.full((len(trees), w), -2, np.int64)
+    targets = rng.integers(0, 6, (len(trees), w))
+    for r, t in enumerate(trees):
+        tokens[r, : t.size], parents[r, : t.size] = t.tokens, t.parents
+        for node in range(t.size):  # mostly one of the node's children: long paths too
+            kids = t.children(node)
+            if kids and rng.random() < 0.8:
+                targets[r, node] = t.tokens[kids[int(rng.integers(len(kids)))]]
+    paths, lengths, bonus = accept_batch(tokens, parents, targets)
+    walked = 0
+    for r, t in enumerate(trees):
+        path, tok = accept(t, targets[r, : t.size].tolist())
+        assert paths[r, : lengths[r]].tolist() == path and (paths[r, lengths[r] :] == -1).all()
+        assert bonus[r] == tok
+        walked += len(path) > 2
+    assert walked > 20  # the walks went deep, not only a node or two
