@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import hashlib
 import io
 import json
 import os
@@ -130,6 +131,9 @@ def profile(
         "wall_ms_per_round": round(1e3 * wall / rounds, 4),
         **split,
         "turnover": turnover,
+        # the requests' tokens at the end: two versions of the engine that decode alike
+        # (greedy, same rounds) give the same digest
+        "outputs_sha256": hashlib.sha256(json.dumps([s.output for s in seqs]).encode()).hexdigest(),
         "profiled_wall_ms_per_round": round(1e3 * wall_prof / rounds, 4),
         "top": top_functions(prof, rounds),
     }
@@ -191,13 +195,13 @@ def main() -> None:
             (out / f"{a.name}.json").write_text(json.dumps(result, indent=1))
     print(
         f"{'config':14s} {'B':>3s} {'wall':>7s} {'draft':>7s} {'tree':>6s} {'verify':>7s} "
-        f"{'accept':>7s} {'prefill':>7s}  (ms per round)"
+        f"{'accept':>7s} {'prefill':>7s}  (ms per round)  outputs"
     )
     for r in result["rows"]:
         print(
             f"{r['config']:14s} {r['batch']:3d} {r['wall_ms_per_round']:7.3f} "
             f"{r.get('draft_ms', 0):7.3f} {r.get('tree_ms', 0):6.3f} {r.get('verify_ms', 0):7.3f} "
-            f"{r.get('accept_ms', 0):7.3f} {r['prefill_ms']:7.3f}"
+            f"{r.get('accept_ms', 0):7.3f} {r['prefill_ms']:7.3f}  {r['outputs_sha256'][:12]}"
         )
         for t in r["top"][:8]:
             print(f"      {t['own_ms']:7.3f} own {t['calls']:7.1f}x  {t['function']}")

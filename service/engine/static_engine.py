@@ -78,7 +78,7 @@ from ddserve.engine.static_prefill import (
     Prefill,
     fresh_chunks,
 )
-from ddserve.engine.tree import DeviceTrees, accept_batch, ancestor_mask
+from ddserve.engine.tree import WALK_ROWS, DeviceTrees, accept_batch, ancestor_mask
 from ddserve.errors import EngineError
 
 log = logging.getLogger(__name__)
@@ -322,7 +322,9 @@ class StaticEngine(Prefill, Drafting):
         rows = np.asarray(slots)
         parents = par[rows]
         nodes = parents != -2  # a tree's own nodes (its rows), not the padding after them
-        paths, lengths, bonus = self.accept_batch(tokens[rows], parents, top[0].reshape(b, w)[rows])
+        paths, lengths, bonus, ptoks = self.accept_batch(
+            tokens[rows], parents, top[0].reshape(b, w)[rows]
+        )
         failed = {}  # index in seqs -> what ended it; a request's own rows only where some failed
         if not top[1].all():
             for i in np.flatnonzero(~(top[1].reshape(b, w)[rows].astype(bool) | ~nodes).all(1)):
@@ -338,10 +340,9 @@ class StaticEngine(Prefill, Drafting):
                     )
         ok = np.ones(len(seqs), dtype=bool)
         ok[list(failed)] = False
-        path_tokens = np.take_along_axis(tokens[rows], np.maximum(paths, 0), axis=1).tolist()
         decided: list[tuple[list[int], list[int], int] | Exception] = []
         for i, (p, n, pt, bt) in enumerate(
-            zip(paths.tolist(), lengths.tolist(), path_tokens, bonus.tolist(), strict=True)
+            zip(paths.tolist(), lengths.tolist(), ptoks.tolist(), bonus.tolist(), strict=True)
         ):
             decided.append(failed[i] if i in failed else (p[:n], pt[:n], bt))
         # raw log-probs of the tokens each path emits, read at the rows they were chosen at
@@ -354,32 +355,16 @@ class StaticEngine(Prefill, Drafting):
         round_logprobs = {}
         if asking:
             groups = []
-            for seq, (path, ptoks, bt) in asking:
+            for seq, (path, pt, bt) in asking:
                 r0 = seq.cache.slot * w
-                groups.append(([r0 + i for i in (0, *path)], ptoks + [bt], seq.sampling.logprobs))
+                groups.append(([r0 + i for i in (0, *path)], pt + [bt], seq.sampling.logprobs))
             for (seq, _), lp in zip(asking, gather_logprobs(logits, groups), strict=True):
                 round_logprobs[id(seq)] = lp
-        # move the accepted paths' KV (and drafter features) for the whole batch: entry
-        # start + j of a slot takes start + keep[j] (keep = root, then the path's nodes);
-        # this writes only pending entries, so if it fails nothing committed has changed
-        keep = np.concatenate([np.zeros((len(seqs), 1), np.int64), paths], axis=1)
-        j = np.arange(keep.shape[1])
-        kept = (j <= lengths[:, None]) & ok[:, None]
-        moved = kept & (keep != j)
-        parts = [
-            np.broadcast_to(rows[:, None], keep.shape)[moved],
-            (starts[:, None] + j)[moved],
-            (starts[:, None] + keep)[moved],
-        ]
-        if self.sdraft is not None:  # root + accepted path feed the next draft, after the
-            # rows still waiting to be written (budget-0 rounds defer the write)
-            pending = np.fromiter((seq.pending for seq in seqs), np.int64, len(seqs))
-            at = rows * self.sdraft.new_rows + pending
-            parts += [(at[:, None] + j)[kept], (rows[:, None] * w + keep)[kept]]
-        # every index of the moves in one host->device copy
-        n, m = int(moved.sum()), int(kept.sum()) if self.sdraft is not None else 0
-        if n or m:
-            idx = torch.from_numpy(np.concatenate(parts)).to(self.pool.k.device)
+        # move the accepted paths' KV (and drafter features) for the whole batch; this
+        # writes only pending entries, so if it fails nothing committed has changed
+        idx, n, m = self._move_index(seqs, decided, paths, lengths, ok, starts, rows, w)
+        if n or m:  # every index of the moves in one host->device copy
+            idx = torch.from_numpy(idx).to(self.pool.k.device)
             self.pool.move(idx[:n], idx[n : 2 * n], idx[2 * n : 3 * n])
         if m:  # copied out now: the next forward of this shape overwrites `taps`
             feats = self.sdraft.feats.flatten(0, 1)
@@ -420,3 +405,44 @@ class StaticEngine(Prefill, Drafting):
             st.completion_tokens += len(new)
             st.accept_lengths.append(len(new))
         return out
+
+    def _move_index(self, seqs, decided, paths, lengths, ok, starts, rows, w):
+        """The round's moves as one index array: entry start + j of a slot takes entry
+        start + keep[j] (keep = root, then the accepted path's nodes) -- (slots, to, from)
+        of the n entries that move -- then the m drafter feature rows the root and path feed
+        (to, from: after the rows still waiting to be written; budget-0 rounds defer the
+        write). Returns (index, n, m)."""
+        sd = self.sdraft
+        if len(seqs) <= WALK_ROWS:  # a few: lists (numpy's per-call cost would dominate)
+            moves, src, dst = ([], [], []), [], []
+            for seq, d in zip(seqs, decided, strict=True):
+                if isinstance(d, Exception):
+                    continue
+                keep = [0, *d[0]]
+                n0, slot = seq.cache.length, seq.cache.slot
+                for j, i in enumerate(keep):
+                    if i != j:
+                        moves[0].append(slot)
+                        moves[1].append(n0 + j)
+                        moves[2].append(n0 + i)
+                if sd is not None:
+                    src += [slot * w + i for i in keep]
+                    at = slot * sd.new_rows + seq.pending
+                    dst += [at + j for j in range(len(keep))]
+            idx = np.array([*moves[0], *moves[1], *moves[2], *dst, *src], np.int64)
+            return idx, len(moves[0]), len(dst)
+        keep = np.concatenate([np.zeros((len(seqs), 1), np.int64), paths], axis=1)
+        j = np.arange(keep.shape[1])
+        kept = (j <= lengths[:, None]) & ok[:, None]
+        moved = kept & (keep != j)
+        parts = [
+            np.broadcast_to(rows[:, None], keep.shape)[moved],
+            (starts[:, None] + j)[moved],
+            (starts[:, None] + keep)[moved],
+        ]
+        if sd is not None:
+            pending = np.fromiter((seq.pending for seq in seqs), np.int64, len(seqs))
+            at = rows * sd.new_rows + pending
+            parts += [(at[:, None] + j)[kept], (rows[:, None] * w + keep)[kept]]
+        m = int(kept.sum()) if sd is not None else 0
+        return np.concatenate(parts), int(moved.sum()), m

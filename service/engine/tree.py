@@ -171,18 +171,37 @@ def accept(tree: Tree, targets: list[int]) -> tuple[list[int], int]:
         node = child
 
 
+WALK_ROWS = 4  # accept_batch walks up to this many trees one by one, more as arrays
+
+
 def accept_batch(
     tokens: np.ndarray, parents: np.ndarray, targets: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """`accept` for a batch of trees at once, as arrays [N, W] in creation order (node 0 the
     root: parent -1; padding past a tree: parent -2; a parent's children in the order they
     were made). Walks every tree a depth at a time: the child of the current node whose
-    token is the target's at it, the first such in creation order, as `accept` picks.
+    token is the target's at it, the first such in creation order, as `accept` picks (up to
+    WALK_ROWS trees one by one in Python, the same rule).
     Returns (paths [N, W-1]: accepted node indices, -1 past a path's end; lengths [N];
-    bonus tokens [N])."""
+    bonus tokens [N]; the accepted nodes' tokens [N, W-1], as paths)."""
     n, w = tokens.shape
-    rows = np.arange(n)
     paths = np.full((n, max(w - 1, 0)), -1, dtype=np.int64)
+    path_tokens = paths.copy()
+    if n <= WALK_ROWS:  # a few trees: walked one by one (numpy's per-call cost would dominate)
+        lengths, bonus = np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64)
+        rows = zip(tokens.tolist(), parents.tolist(), targets.tolist(), strict=True)
+        for r, (tok, par, tgt) in enumerate(rows):
+            cur, d = 0, 0
+            while True:
+                want = tgt[cur]
+                # the first child of `cur` (children follow their parent) with the token
+                nxt = next((j for j in range(cur + 1, w) if par[j] == cur and tok[j] == want), 0)
+                if not nxt:
+                    break
+                paths[r, d], path_tokens[r, d], d, cur = nxt, want, d + 1, nxt
+            lengths[r], bonus[r] = d, tgt[cur]
+        return paths, lengths, bonus, path_tokens
+    rows = np.arange(n)
     cur = np.zeros(n, dtype=np.int64)
     alive = np.ones(n, dtype=bool)
     for d in range(w - 1):
@@ -192,10 +211,10 @@ def accept_batch(
         if not alive.any():
             break
         nxt = match.argmax(axis=1)
-        paths[alive, d] = nxt[alive]
+        paths[alive, d], path_tokens[alive, d] = nxt[alive], want[alive]
         cur = np.where(alive, nxt, cur)
     lengths = (paths >= 0).sum(axis=1)
-    return paths, lengths, targets[rows, cur]
+    return paths, lengths, targets[rows, cur], path_tokens
 
 
 def ancestor_mask(tree: Tree, width: int | None = None) -> np.ndarray:

@@ -238,16 +238,17 @@ class WrongVerifier(StaticEngine):
             np.zeros(n, np.int64),
             np.zeros(n, np.int64),
         )
+        ptoks = paths.copy()
         for r in range(n):
             node = 0
             while (kids := np.flatnonzero(parents[r] == node)).size and (
                 targets[r, node] == tokens[r, kids[0]] or targets[r, node] % 2 == 0
             ):
                 node = int(kids[0])
-                paths[r, lengths[r]] = node
+                paths[r, lengths[r]], ptoks[r, lengths[r]] = node, tokens[r, node]
                 lengths[r] += 1
             bonus[r] = targets[r, node]
-        return paths, lengths, bonus
+        return paths, lengths, bonus, ptoks
 
 
 def sample_pairs(engine_cls, target, draft, t, top_p, top_k, n, bias=None):

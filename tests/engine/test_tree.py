@@ -94,7 +94,8 @@ def test_best_first_equals_top_budget_of_full_tree(seed):
     assert sorted(seen) == list(range(t.size))
 
 
-def test_accept_batch_equals_accept_tree_by_tree():
+@pytest.mark.parametrize("batch", [1, 3, 300])  # walked one by one (<= WALK_ROWS), as arrays
+def test_accept_batch_equals_accept_tree_by_tree(batch):
     """The batched walk picks what `accept` picks for every tree of a batch: random trees of
     every shape (chains, bushy, root alone, padded to a common width), targets that follow
     the tree for a while and then leave it, and siblings that share a token (the first made
@@ -128,11 +129,14 @@ def test_accept_batch_equals_accept_tree_by_tree():
             kids = t.children(node)
             if kids and rng.random() < 0.8:
                 targets[r, node] = t.tokens[kids[int(rng.integers(len(kids)))]]
-    paths, lengths, bonus = accept_batch(tokens, parents, targets)
     walked = 0
-    for r, t in enumerate(trees):
-        path, tok = accept(t, targets[r, : t.size].tolist())
-        assert paths[r, : lengths[r]].tolist() == path and (paths[r, lengths[r] :] == -1).all()
-        assert bonus[r] == tok
-        walked += len(path) > 2
+    for at in range(0, len(trees), batch):
+        part = slice(at, at + batch)
+        paths, lengths, bonus, ptoks = accept_batch(tokens[part], parents[part], targets[part])
+        for r, t in enumerate(trees[part]):
+            path, tok = accept(t, targets[at + r, : t.size].tolist())
+            assert paths[r, : lengths[r]].tolist() == path and (paths[r, lengths[r] :] == -1).all()
+            assert ptoks[r, : lengths[r]].tolist() == [t.tokens[i] for i in path]
+            assert bonus[r] == tok
+            walked += len(path) > 2
     assert walked > 20  # the walks went deep, not only a node or two
