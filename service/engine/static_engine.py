@@ -26,7 +26,8 @@ token for token is tests/engine/reference.py), over static state:
     for requests that ask, one device->host copy per round for all of them
 
 Prefill and warm-up live in ddserve.engine.static_prefill, the draft step in
-ddserve.engine.static_draft (mixins of StaticEngine); this module is the round itself.
+ddserve.engine.static_draft, the accept walk and the moves it implies in
+ddserve.engine.static_accept (mixins of StaticEngine); this module is the round itself.
 CUDA graphs only where CUDA is (`torch.compile` of the decoder layer when asked); on CPU the
 same code runs eagerly. Host work per round (tree build, accept walk, packing inputs) is
 timed in `self.timing`. Drafters other than DFlash (n-gram lookup, a draft model, the
@@ -65,6 +66,7 @@ from ddserve.engine.static import (
     layer_step,
     next_bucket,
 )
+from ddserve.engine.static_accept import Accepting
 from ddserve.engine.static_draft import Drafting
 from ddserve.engine.static_models import (
     StaticDFlash,
@@ -78,18 +80,17 @@ from ddserve.engine.static_prefill import (
     Prefill,
     fresh_chunks,
 )
-from ddserve.engine.tree import WALK_ROWS, DeviceTrees, accept_batch, ancestor_mask
+from ddserve.engine.tree import DeviceTrees, ancestor_mask
 from ddserve.errors import EngineError
 
 log = logging.getLogger(__name__)
 
 
-class StaticEngine(Prefill, Drafting):
+class StaticEngine(Prefill, Drafting, Accepting):
     """The algorithm over one target model and one drafter; no threads, no I/O. `slots`
     requests at a time, each up to `max_context` tokens; `graphs` applies only on CUDA,
     `compile` wherever asked (the runner asks on CUDA)."""
 
-    accept_batch = staticmethod(accept_batch)  # the accept rule (ddserve.engine.tree); a seam
     on_trees = None  # a test's seam: called with each round's trees (Tree objects) as verified
 
     def __init__(
@@ -320,31 +321,7 @@ class StaticEngine(Prefill, Drafting):
         t3 = time.perf_counter()
         # every sequence's path at once (no state changes: a failure here is its own)
         rows = np.asarray(slots)
-        parents = par[rows]
-        nodes = parents != -2  # a tree's own nodes (its rows), not the padding after them
-        paths, lengths, bonus, ptoks = self.accept_batch(
-            tokens[rows], parents, top[0].reshape(b, w)[rows]
-        )
-        failed = {}  # index in seqs -> what ended it; a request's own rows only where some failed
-        if not top[1].all():
-            for i in np.flatnonzero(~(top[1].reshape(b, w)[rows].astype(bool) | ~nodes).all(1)):
-                failed[int(i)] = EngineError(
-                    "the target produced non-finite logits (broken weights?)"
-                )
-        if top.shape[0] >= 3 and not top[2].all():
-            for i in np.flatnonzero(~(top[2].reshape(b, w)[rows].astype(bool) | ~nodes).all(1)):
-                if i not in failed and not seqs[i].sampling.greedy:
-                    failed[int(i)] = EngineError(
-                        "sampling found no finite distribution at this request's temperature, "
-                        "top_p and top_k"
-                    )
-        ok = np.ones(len(seqs), dtype=bool)
-        ok[list(failed)] = False
-        decided: list[tuple[list[int], list[int], int] | Exception] = []
-        for i, (p, n, pt, bt) in enumerate(
-            zip(paths.tolist(), lengths.tolist(), ptoks.tolist(), bonus.tolist(), strict=True)
-        ):
-            decided.append(failed[i] if i in failed else (p[:n], pt[:n], bt))
+        decided, paths, lengths, sizes = self._decide(seqs, top, tokens, par, rows, w)
         # raw log-probs of the tokens each path emits, read at the rows they were chosen at
         # (root + accepted nodes), for the requests that ask; shared, so before any commit
         asking = [
@@ -362,7 +339,7 @@ class StaticEngine(Prefill, Drafting):
                 round_logprobs[id(seq)] = lp
         # move the accepted paths' KV (and drafter features) for the whole batch; this
         # writes only pending entries, so if it fails nothing committed has changed
-        idx, n, m = self._move_index(seqs, decided, paths, lengths, ok, starts, rows, w)
+        idx, n, m = self._move_index(seqs, decided, paths, lengths, starts, rows, w)
         if n or m:  # every index of the moves in one host->device copy
             idx = torch.from_numpy(idx).to(self.pool.k.device)
             self.pool.move(idx[:n], idx[n : 2 * n], idx[2 * n : 3 * n])
@@ -394,7 +371,7 @@ class StaticEngine(Prefill, Drafting):
         tm["rounds"] += 1
         tm["verify_s"] += t3 - t2
         tm["accept_s"] += t4 - t3 + t2 - t1
-        for seq, new, size in zip(seqs, out, nodes.sum(axis=1).tolist(), strict=True):
+        for seq, new, size in zip(seqs, out, sizes, strict=True):
             if isinstance(new, Exception):
                 continue
             st = seq.stats
@@ -405,44 +382,3 @@ class StaticEngine(Prefill, Drafting):
             st.completion_tokens += len(new)
             st.accept_lengths.append(len(new))
         return out
-
-    def _move_index(self, seqs, decided, paths, lengths, ok, starts, rows, w):
-        """The round's moves as one index array: entry start + j of a slot takes entry
-        start + keep[j] (keep = root, then the accepted path's nodes) -- (slots, to, from)
-        of the n entries that move -- then the m drafter feature rows the root and path feed
-        (to, from: after the rows still waiting to be written; budget-0 rounds defer the
-        write). Returns (index, n, m)."""
-        sd = self.sdraft
-        if len(seqs) <= WALK_ROWS:  # a few: lists (numpy's per-call cost would dominate)
-            moves, src, dst = ([], [], []), [], []
-            for seq, d in zip(seqs, decided, strict=True):
-                if isinstance(d, Exception):
-                    continue
-                keep = [0, *d[0]]
-                n0, slot = seq.cache.length, seq.cache.slot
-                for j, i in enumerate(keep):
-                    if i != j:
-                        moves[0].append(slot)
-                        moves[1].append(n0 + j)
-                        moves[2].append(n0 + i)
-                if sd is not None:
-                    src += [slot * w + i for i in keep]
-                    at = slot * sd.new_rows + seq.pending
-                    dst += [at + j for j in range(len(keep))]
-            idx = np.array([*moves[0], *moves[1], *moves[2], *dst, *src], np.int64)
-            return idx, len(moves[0]), len(dst)
-        keep = np.concatenate([np.zeros((len(seqs), 1), np.int64), paths], axis=1)
-        j = np.arange(keep.shape[1])
-        kept = (j <= lengths[:, None]) & ok[:, None]
-        moved = kept & (keep != j)
-        parts = [
-            np.broadcast_to(rows[:, None], keep.shape)[moved],
-            (starts[:, None] + j)[moved],
-            (starts[:, None] + keep)[moved],
-        ]
-        if sd is not None:
-            pending = np.fromiter((seq.pending for seq in seqs), np.int64, len(seqs))
-            at = rows * sd.new_rows + pending
-            parts += [(at[:, None] + j)[kept], (rows[:, None] * w + keep)[kept]]
-        m = int(kept.sum()) if sd is not None else 0
-        return np.concatenate(parts), int(moved.sum()), m
