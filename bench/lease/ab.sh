@@ -20,11 +20,11 @@ for v in old new; do
     PYTHONPATH=$pp:/tmp/site:$root timeout ${PROFILE_S:-100} python3 -m ddserve.bench.round_profile \
         --device cuda --configs ar,dflash-b7k4 --batches 64 --turnover 1 --rounds 50 \
         --name rp-$v --out $R 2>&1 | quiet | grep -v '^      '
+    tar czf $OUT/res-ab.tgz -C /root res  # what is there so far, if the lease ends early
 done
 for v in old new; do
     pp=/tmp/pp; [ $v = old ] && pp=/tmp/pp-old
     PYTHONPATH=$pp:/tmp/site:$root timeout ${LOAD_S:-170} python3 -m ddserve.bench.engine_load \
         --device cuda --configs ar,dflash-b16k4@adaptive --concurrency 16,64 --requests 32 \
         --waves 8 --max-tokens 128 --prompt-set heldout:16 --name load-$v --out $R 2>&1 | quiet
-done
-tar czf $OUT/res-ab.tgz -C /root res
+    done
