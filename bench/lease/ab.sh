@@ -27,4 +27,5 @@ for v in old new; do
     PYTHONPATH=$pp:/tmp/site:$root timeout ${LOAD_S:-170} python3 -m ddserve.bench.engine_load \
         --device cuda --configs ar,dflash-b16k4@adaptive --concurrency 16,64 --requests 32 \
         --waves 8 --max-tokens 128 --prompt-set heldout:16 --name load-$v --out $R 2>&1 | quiet
-    done
+    tar czf $OUT/res-ab.tgz -C /root res
+done
