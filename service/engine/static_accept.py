@@ -35,9 +35,12 @@ class Accepting:
         b = tokens.shape[0]
         parents = par[rows]
         nodes = parents != -2  # a tree's own nodes (its rows), not the padding after them
-        paths, lengths, bonus, ptoks = self.accept_batch(
-            tokens[rows], parents, top[0].reshape(b, w)[rows]
-        )
+        targets = top[0].reshape(b, w)[rows]
+        if nodes[:, 1:].any():
+            paths, lengths, bonus, ptoks = self.accept_batch(tokens[rows], parents, targets)
+        else:  # roots alone (autoregressive rounds): every path empty, the bonus the target's
+            paths = ptoks = np.zeros((len(seqs), 0), np.int64)
+            lengths, bonus = np.zeros(len(seqs), np.int64), targets[:, 0]
         failed = {}  # index in seqs -> what ended it; a request's own rows only where some failed
         if not top[1].all():
             for i in np.flatnonzero(~(top[1].reshape(b, w)[rows].astype(bool) | ~nodes).all(1)):
@@ -65,6 +68,8 @@ class Accepting:
         (to, from: after the rows still waiting to be written; budget-0 rounds defer the
         write). Sequences whose decision is an exception move nothing. Returns (index, n, m)."""
         sd = self.sdraft
+        if sd is None and not lengths.any():  # no path anywhere: nothing moves
+            return np.zeros(0, np.int64), 0, 0
         if len(seqs) <= WALK_ROWS:  # a few: lists (numpy's per-call cost would dominate)
             moves, src, dst = ([], [], []), [], []
             for seq, d in zip(seqs, decided, strict=True):

@@ -268,7 +268,9 @@ class StaticEngine(Prefill, Drafting, Accepting):
         wpos = np.tile(np.arange(self.pool.max_len - w, self.pool.max_len), (b, 1))
         lens = np.zeros(b, dtype=np.int64)
         tree_m = None if on_device else np.tile(np.eye(w, dtype=bool), (b, 1, 1))
-        par = None if on_device else np.full((b, w), -2, dtype=np.int64)  # for the walk
+        if not on_device:  # the trees' parents for the walk (the root's: -1; padding: -2)
+            par = np.full((b, w), -2, dtype=np.int64)
+            par[:, 0] = -1
         slots = [seq.cache.slot for seq in seqs]
         starts = np.array([seq.cache.length for seq in seqs], dtype=np.int64)
         wpos[slots] = starts[:, None] + np.arange(w)
@@ -277,7 +279,7 @@ class StaticEngine(Prefill, Drafting, Accepting):
         if not on_device:
             for slot, n0, tree in zip(slots, starts.tolist(), drafted, strict=True):
                 if tree.size == 1:  # the root alone (plain decoding): the eye's row, depth 0
-                    tokens[slot, 0], pos[slot, 0], par[slot, 0] = tree.tokens[0], n0, -1
+                    tokens[slot, 0], pos[slot, 0] = tree.tokens[0], n0
                     continue
                 tokens[slot, : tree.size] = tree.tokens
                 par[slot, : tree.size] = tree.parents
