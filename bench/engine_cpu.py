@@ -71,6 +71,18 @@ def make_drafter(kind: str, m, dflash_dir: str | None):
     return DFlashDrafter(load_dflash(path), m, vocab)
 
 
+def load_on(model: str, device: str, prompts: str):
+    """The model on `device` ("auto": cuda where there is one) in the dtype the engine serves
+    it in (bf16 on a GPU, fp32 on CPU) and a prompt set's token ids, for the engine-only
+    benchmarks. Returns (loaded model, prompt ids, the machine in words)."""
+    device = device if device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    lm = load_model(model, device, dtype)
+    dev = torch.cuda.get_device_name() if device == "cuda" else f"{os.cpu_count()} cores"
+    machine = f"{platform.machine()} {dev}, torch {torch.__version__}"
+    return lm, chat_ids(lm.tokenizer, prompt_set(prompts)), machine
+
+
 def prompt_set(name: str) -> list[str]:
     if name in ("chat", "humaneval", "mixed"):
         return named_set(name)

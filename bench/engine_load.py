@@ -29,20 +29,17 @@ import asyncio
 import gc
 import json
 import os
-import platform
 import sys
 import time
 from pathlib import Path
 
 import torch
 
-from ddserve.bench.engine_cpu import REGISTRY, prompt_set
+from ddserve.bench.engine_cpu import REGISTRY, load_on
 from ddserve.bench.load import RequestResult, closed_loop
-from ddserve.bench.prompts import chat_ids
 from ddserve.config.engine import EngineConfig
 from ddserve.engine.runner import EngineRunner
 from ddserve.engine.sampling import SamplingParams
-from ddserve.engine.weights import load_model
 
 
 async def one(runner: EngineRunner, prompt: list[int], sampling: SamplingParams):
@@ -214,15 +211,11 @@ def main() -> None:
         levels = [int(x) for x in a.concurrency.split(",")]
     except ValueError:
         sys.exit(f"--concurrency {a.concurrency!r}: expected integers like 1,4,16")
-    device = a.device if a.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    lm = load_model(a.model, device, dtype)
-    prompts = chat_ids(lm.tokenizer, prompt_set(a.prompt_set))
-    dev = torch.cuda.get_device_name() if device == "cuda" else f"{os.cpu_count()} cores"
+    lm, prompts, machine = load_on(a.model, a.device, a.prompt_set)
     result = {
         "model": a.model,
-        "machine": f"{platform.machine()} {dev}, torch {torch.__version__}",
-        "dtype": str(dtype),
+        "machine": machine,
+        "dtype": str(lm.model.dtype),
         "max_tokens": a.max_tokens,
         "temperature": a.temperature,
         "prompt_set": a.prompt_set,

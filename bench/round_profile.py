@@ -19,7 +19,6 @@ import hashlib
 import io
 import json
 import os
-import platform
 import pstats
 import sys
 import time
@@ -27,12 +26,10 @@ from pathlib import Path
 
 import torch
 
-from ddserve.bench.engine_cpu import REGISTRY, make_drafter, prompt_set
-from ddserve.bench.prompts import chat_ids
+from ddserve.bench.engine_cpu import REGISTRY, load_on, make_drafter
 from ddserve.config.engine import LiveParams
 from ddserve.engine.sampling import SamplingParams
 from ddserve.engine.static_engine import StaticEngine
-from ddserve.engine.weights import load_model
 
 WARM = 5  # rounds before any is timed (first-use work: graphs of new shapes, context classes)
 
@@ -174,15 +171,11 @@ def main() -> None:
         sys.exit(f"--batches {a.batches!r}: expected integers like 16,64")
     if a.rounds < 1 or min(batches) < 1:
         sys.exit("--rounds and --batches must be at least 1")
-    device = a.device if a.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    lm = load_model(a.model, device, dtype)
-    prompts = chat_ids(lm.tokenizer, prompt_set(a.prompt_set))
-    dev = torch.cuda.get_device_name() if device == "cuda" else f"{os.cpu_count()} cores"
+    lm, prompts, machine = load_on(a.model, a.device, a.prompt_set)
     result = {
         "model": a.model,
-        "machine": f"{platform.machine()} {dev}, torch {torch.__version__}",
-        "dtype": str(dtype),
+        "machine": machine,
+        "dtype": str(lm.model.dtype),
         "command": "python -m ddserve.bench.round_profile " + " ".join(sys.argv[1:]),
         "rows": [],
     }
