@@ -114,6 +114,9 @@ class Drafting:
         if (bad := np.flatnonzero(fed != want)).size:
             i = bad[0]
             raise EngineError(f"DFlash context covers {fed[i]} tokens, expected {want[i]}")
+        if (over := np.flatnonzero(fed - start > wn)).size:  # never dropped silently
+            i = over[0]
+            raise EngineError(f"{fed[i] - start[i]} DFlash feature rows pending, at most {wn}")
         j = np.arange(wn)
         cwpos = np.tile(np.arange(ml - wn, ml), (b, 1))
         cwpos[slots] = np.where(j < (fed - start)[:, None], start[:, None] + j, cwpos[slots])

@@ -178,7 +178,7 @@ WALK_ROWS = 16
 
 def accept_batch(
     tokens: np.ndarray, parents: np.ndarray, targets: np.ndarray
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """`accept` for a batch of trees at once, as arrays [N, W] in creation order (node 0 the
     root: parent -1; padding past a tree: parent -2; a parent's children in the order they
     were made). Walks every tree a depth at a time: the child of the current node whose
