@@ -52,7 +52,7 @@ class Drafting:
             # would not hold another round's root (or the next draft writes them)
             if self.sdraft is not None and any(s.pending >= self.sdraft.new_rows for s in seqs):
                 b = next_bucket(self.pool.used_rows, 1, self.pool.slots)
-                cwpos, fed = self._feed_context(seqs, b)
+                cwpos, fed = self._feed_context(seqs, b, *self._rows(seqs))
                 self.sdraft.write_only(cwpos)
                 self._fed(fed)
             trees = [
@@ -65,8 +65,8 @@ class Drafting:
         depth = min(depth, sd.block)
         b = next_bucket(self.pool.used_rows, 1, self.pool.slots)
         q, ml = depth + 1, self.pool.max_len
-        cwpos, fed = self._feed_context(seqs, b)
         slots, root_pos = self._rows(seqs)  # root_pos: the context once fed
+        cwpos, fed = self._feed_context(seqs, b, slots, root_pos)
         root = np.zeros(b, dtype=np.int64)
         bwpos = np.tile(np.arange(ml - q, ml), (b, 1))
         bpos = np.zeros((b, q), dtype=np.int64)
@@ -99,16 +99,15 @@ class Drafting:
         self.timing["tree_s"] += time.perf_counter() - t1
         return trees
 
-    def _feed_context(self, seqs: list[Sequence], b: int):
+    def _feed_context(self, seqs: list[Sequence], b: int, slots, want):
         """Where each sequence's pending feature rows go in the drafter's pool (context write
         positions [B, new_rows], unused rows to the guard entries), and each one's context
         length once they are written: `_fed` records it after the write is queued, so a draft
-        that raises leaves the rows pending for the retry."""
+        that raises leaves the rows pending for the retry. `slots`, `want`: `_rows(seqs)`."""
         wn, ml = self.sdraft.new_rows, self.pool.max_len
         for seq in seqs:
             if seq.hidden_new:
                 self._catch_up(seq)
-        slots, want = self._rows(seqs)
         start = np.fromiter((seq.draft_state for seq in seqs), np.int64, len(seqs))
         fed = start + np.fromiter((seq.pending for seq in seqs), np.int64, len(seqs))
         if (bad := np.flatnonzero(fed != want)).size:
