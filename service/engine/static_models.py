@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from ddserve.config.engine import MAX_BUDGET
-from ddserve.engine.attention import CAUSAL, FRESH, FULL, TREE, plan, plan_ragged
+from ddserve.engine.attention import CAUSAL, FULL, TREE, plan, plan_fresh, plan_ragged
 from ddserve.engine.dflash import DFlashDrafter
 from ddserve.engine.llama import Llama, apply_rope, linear
 from ddserve.engine.static import (
@@ -40,7 +40,8 @@ GUARD = next_bucket(MAX_BUDGET + 1, 256, 1 << 20)
 
 
 # the context class of a prompt chunk whose rows all start at an empty context (a prompt's
-# first chunk): its attention is the chunk's own causal self-attention (attention.FRESH)
+# first chunk): its attention is the chunk's own causal self-attention (attention.plan_fresh);
+# such a forward's lengths field carries each row's real tokens (it has no committed ones)
 FRESH_CTX = 0
 
 
@@ -94,6 +95,9 @@ class StaticTarget:
         # without a graph (False, once the engine's warm-up captured what it captures: a
         # capture while others decode stalled them ~0.2-0.4 s on the H200, bench/NOTES.md)
         self.capture_prefill = True
+        # fresh prompt chunks by torch's variable-length flash attention (the engine turns it
+        # on where `attention.varlen_runs`; the padded fused path otherwise)
+        self.fresh_varlen = False
         self.inputs: dict[tuple, torch.Tensor] = {}
         self.staging = Staging()
 
@@ -173,7 +177,7 @@ class StaticTarget:
         if ragged is not None:
             attn = ragged
         elif ctx == FRESH_CTX and not rows_are_slots:
-            attn = FRESH
+            attn = plan_fresh(lens, self.fresh_varlen)
         else:
             attn = plan(self.attention, lens, mode, tree, w, ctx, groups, x.dtype)
         taps = []

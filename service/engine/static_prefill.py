@@ -36,12 +36,14 @@ PREFILL_CHUNKS = (16, 64, 256)  # prompt chunk widths, sdpa (it reads a padded k
 PREFILL_CHUNKS_LONG = (16, 64, 256, 512, 1024, 2048)
 PREFILL_ROWS = 8  # prompts prefilled together in one forward
 # a prompt's first chunk under CUDA graphs (its rows all start at an empty context: attention
-# over the chunk's own keys by torch's fused kernels, attention.FRESH): widths up to the
+# over the chunk's own keys by torch's fused kernels, attention.plan_fresh): widths up to the
 # pool's, so a prompt of up to 8,192 tokens to an idle engine is one forward (on the H200 a
 # 7,200-token prompt took 35.5 ms in 2,048-token chunks, 26 of them in the triton kernel's
 # attention, where cuDNN's causal attention over all 7,200 took 5.2); at most FRESH_TOKENS
-# tokens (rows x width) a forward, as the widest chunks of the other classes
-FRESH_CHUNKS = (1024, 2048, 3072, 4096, 6144, 8192)
+# tokens (rows x width) a forward, as the widest chunks of the other classes. Every 1,024
+# tokens, and 7,680 (a prompt pads to the next width: 7,200 tokens once paid 8,192 rows in
+# every matmul, ~12% of the forward; a width costs two graphs at warm-up)
+FRESH_CHUNKS = (1024, 2048, 3072, 4096, 5120, 6144, 7168, 7680, 8192)
 FRESH_TOKENS = 16384
 # prompt tokens of one forward without a graph while nothing decodes: a long prompt in one
 # (fused attention's memory is linear; on the H200 one 7,200-token causal attention took 0.18
@@ -191,7 +193,8 @@ class Prefill:
                 # the chunk's padding past the prompt may run beyond the pool: clamp it to the
                 # last (guard) entry; no real token sees it (causal), and it is never kept
                 pos[r] = np.minimum(at + np.arange(w), ml - 1)
-                lens[r], rows[r] = at, seqs[i].cache.slot
+                # (a fresh chunk has nothing committed: its lengths are its real tokens)
+                lens[r], rows[r] = (n if ctx == FRESH_CTX else at), seqs[i].cache.slot
                 takes.append((r, i, n))
                 longest = max(longest, at + w)
             packed = pack_target(toks, pos, pos, lens, rows)  # causal: no tree

