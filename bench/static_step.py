@@ -14,9 +14,8 @@ KV entries attended, read once at the measured copy bandwidth. With several --co
 and --attention backends (ddserve.engine.attention), every (backend, context) pair is a row
 set, side by side in one run. --prefill N,...: the time to prefill one N-token prompt through
 the engine (StaticEngine.prefill, graphs and each backend's chunk widths), per backend and
-mode; with graphs also the fresh class by padded attention (no variable-length kernel), that
-in the fresh widths of before (`COARSE`), without the fresh class (the first chunk as any
-other) and without graphs, side by side. Writes NAME.json.
+mode; with graphs also the fresh class in the widths of before (`COARSE`), without the fresh
+class (the first chunk as any other) and without graphs, side by side. Writes NAME.json.
 """
 
 from __future__ import annotations
@@ -38,7 +37,7 @@ from ddserve.engine.llama import LlamaConfig
 from ddserve.engine.sampling import SamplingParams
 from ddserve.engine.static import compile_layer_step, layer_step
 from ddserve.engine.static_engine import StaticEngine
-from ddserve.engine.static_models import FRESH_CTX, StaticTarget, pack_target
+from ddserve.engine.static_models import StaticTarget, pack_target
 from ddserve.engine.weights import load_model, random_llama
 
 COARSE = (1024, 2048, 3072, 4096, 6144, 8192)  # the fresh widths until 2026-12-03
@@ -229,26 +228,17 @@ def time_prefill(model, mode: str, attn: str, lengths: list[int], longest: int) 
     eng.warm_up(LiveParams(budget=0))  # as served: chunks of shapes not captured run eagerly
     rows = []
     rng = np.random.default_rng(0)
-    t = eng.target
-    as_served, fresh, varlen = t.prefill_eager, eng.fresh_chunks, t.fresh_varlen
-    paths = ["served", "padded", "coarse", "no-fresh", "no-graph"]
-    paths = paths if t.graphs.enabled else ["served"]
+    as_served, fresh = eng.target.prefill_eager, eng.fresh_chunks
+    paths = ["served", "coarse", "no-fresh", "no-graph"]
+    paths = paths if eng.target.graphs.enabled else ["served"]
     for n, path in ((n, p) for n in lengths for p in paths):
-        # "padded": the fresh class by the padded fused attention (no variable-length
-        # kernel); "coarse": that, in the fresh widths before 7,168 and 7,680 were added;
+        # "coarse": the fresh class in the widths of before (those served: captured);
         # "no-fresh": the first chunk in the other classes' widths and attention, as before
         # the fresh class; "no-graph": every chunk without a graph (exact widths), as before
         # the warm-up captured prompt chunks for every context (triton); side by side
-        t.prefill_eager = as_served if path != "no-graph" else (lambda key: True)
-        eng.fresh_chunks = {"served": fresh, "padded": fresh, "coarse": COARSE}.get(path, ())
-        eng.fresh_chunks = tuple(w for w in eng.fresh_chunks if w in fresh)
-        want = varlen and path == "served"
-        if t.fresh_varlen != want:  # the fresh graphs hold the other attention: drop them,
-            # captured again by the untimed first prefill below
-            t.fresh_varlen = want
-            for key in [k for k in t.graphs.graphs if not k[0] and k[3] == FRESH_CTX]:
-                del t.graphs.graphs[key]
-        t.capture_prefill = path in ("served", "padded", "coarse")
+        eng.target.prefill_eager = as_served if path != "no-graph" else (lambda key: True)
+        widths = {"served": fresh, "coarse": COARSE}.get(path, ())
+        eng.fresh_chunks = tuple(w for w in widths if w in fresh)
         prompt = rng.integers(3, model.cfg.vocab_size, n + 1).tolist()
         times = []
         for i in range(6):
@@ -270,7 +260,6 @@ def time_prefill(model, mode: str, attn: str, lengths: list[int], longest: int) 
                 "attention": attn,
                 "prompt_tokens": n,
                 "prefill_path": path,
-                "fresh_varlen": t.fresh_varlen,
                 "prefill_ms": round(ms, 3),
                 "kernels": kernels,
                 "top_kernels_name_count_ms": kernels_per_call.top,

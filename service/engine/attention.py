@@ -23,14 +23,10 @@ Two implementations of that one rule:
               torch.compile treats it as one opaque call.
 
 A prompt chunk whose rows all start at an empty context (a prompt's first chunk) and that runs
-under a CUDA graph (engines on triton) takes `fresh` (`plan_fresh`, `fresh_attention`): causal self-attention over the
+under a CUDA graph (engines on triton) takes `fresh` (`FRESH`, `fresh_attention`): causal self-attention over the
 chunk's own keys through torch's fused kernels, nothing read from the pool (on the H200, 0.17
 ms a layer for 7,200 tokens by cuDNN against 0.43-0.53 by the triton kernel: bench/NOTES.md),
-so a long prompt to an idle engine goes in as one wide forward. Where torch's variable-length
-flash attention runs (CUDA, bf16/fp16: `varlen_runs`), each row's real tokens are one sequence
-and its padding another (`fresh_segments`, from the row lengths on the device): a 7,200-token
-prompt in an 8,192-wide chunk no longer pays causal attention over its 992 padded rows
-(~29% more work than its own).
+so a long prompt to an idle engine goes in as one wide forward.
 
 A prompt chunk that runs outside a CUDA graph (every chunk without graphs; on CUDA a shape not
 captured at warm-up) takes a third way, `ragged` (`plan_ragged`): the rows' slots and committed
@@ -47,9 +43,6 @@ checks it against the reference; auto never picks it there.
 from __future__ import annotations
 
 import contextlib
-import functools
-import inspect
-import logging
 import os
 from typing import NamedTuple
 
@@ -57,8 +50,6 @@ import torch
 import torch.nn.functional as F
 
 from ddserve.errors import ConfigError
-
-log = logging.getLogger(__name__)
 
 TREE, CAUSAL, FULL = 0, 1, 2
 
@@ -69,8 +60,7 @@ class Attn(NamedTuple):
     (no row has more keys; it bounds the key splits), `past` [B] committed
     lengths, `tree` [B, W, W] (int, nonzero = visible; TREE mode only), `window` [B] or None,
     `mode` TREE / CAUSAL / FULL. ragged (CAUSAL): `past` and `slots` [B] on the host.
-    fresh (CAUSAL; every row starts at an empty context): with `varlen`, `past` [B] holds
-    each row's real tokens (the rest of its width is padding)."""
+    fresh (CAUSAL): nothing (every row starts at an empty context)."""
 
     backend: str
     mask: torch.Tensor | None = None
@@ -80,7 +70,6 @@ class Attn(NamedTuple):
     window: torch.Tensor | None = None
     mode: int = TREE
     slots: torch.Tensor | None = None
-    varlen: bool = False  # fresh: rows by their real lengths (`past` [B] on the device)
 
 
 # -- the reference ------------------------------------------------------------------------
@@ -133,10 +122,7 @@ def plan(
     )
 
 
-def plan_fresh(real: torch.Tensor, varlen: bool) -> Attn:
-    """A fresh prompt chunk's attention: `real` [B] the rows' real tokens (device; read with
-    `varlen` only)."""
-    return Attn("fresh", past=real, mode=CAUSAL, varlen=varlen)
+FRESH = Attn("fresh", mode=CAUSAL)
 
 
 def plan_ragged(past: torch.Tensor, slots: torch.Tensor) -> Attn:
@@ -167,21 +153,13 @@ def prefill_attention(
 
 
 @torch.library.custom_op("ddserve::fresh_attention", mutates_args=())
-def fresh_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, b: int, real: torch.Tensor, varlen: bool
-) -> torch.Tensor:
+def fresh_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, b: int) -> torch.Tensor:
     """A prompt chunk of B rows that all start at an empty context: q [B*W, nh, hd], the
     chunk's own k/v [B*W, kvh, hd]; causal within each row. Returns [B*W, nh, hd]. Fixed
-    shapes, no host values: it runs under CUDA graphs. Padded (`varlen` False): a row's
-    padding after its prompt sees the prompt and is never read; causal keeps it out of the
-    prompt's rows. `varlen`: `real` [B] (device) real tokens per row; the real tokens and the
-    padding of each row are separate sequences of torch's variable-length flash attention
-    (the padding attends only itself: finite, never read), so no work is spent on padded
-    rows attending the prompt."""
+    shapes, no host values: it runs under CUDA graphs (a row's padding after its prompt
+    sees the prompt and is never read; causal keeps it out of the prompt's rows)."""
     n, nh, hd = q.shape
     w, kvh = n // b, k.shape[1]
-    if varlen:
-        return _varlen_causal(q, k, v, fresh_segments(real, b, w), w)
     att = _causal_sdpa(
         q.view(b, w, nh, hd).transpose(1, 2),
         k.view(b, w, kvh, hd).transpose(1, 2),
@@ -192,79 +170,8 @@ def fresh_attention(
 
 
 @fresh_attention.register_fake
-def _(q, k, v, b, real, varlen):
+def _(q, k, v, b):
     return torch.empty_like(q, memory_format=torch.contiguous_format)
-
-
-def fresh_segments(real: torch.Tensor, b: int, w: int) -> torch.Tensor:
-    """Cumulative sequence starts (int32 [2B + 1]) of B rows of width w whose first real[r]
-    tokens are one sequence and the rest of the row another: [0, real0, w, w + real1, 2w, ...,
-    B*w]. A row all real or all padding has an empty sequence (two equal entries)."""
-    starts = torch.arange(b, device=real.device, dtype=torch.int32) * w
-    ends = starts + real.to(torch.int32).clamp(0, w)
-    total = torch.full((1,), b * w, device=real.device, dtype=torch.int32)
-    return torch.cat([torch.stack([starts, ends], 1).view(-1), total])
-
-
-@functools.cache
-def _varlen_fn():
-    """torch's variable-length flash attention and how to ask it for causal attention and
-    grouped KV heads (its keywords changed between torch releases), or None."""
-    try:
-        from torch.nn.attention.varlen import varlen_attn
-    except ImportError:
-        return None
-    params = inspect.signature(varlen_attn).parameters
-    kw = {}
-    if "is_causal" in params:
-        kw["is_causal"] = True
-    elif "window_size" in params:
-        kw["window_size"] = (-1, 0)  # causal: no key after the query
-    else:
-        return None
-    if "enable_gqa" in params:
-        kw["enable_gqa"] = True
-    return functools.partial(varlen_attn, **kw)
-
-
-def _varlen_causal(q, k, v, cu: torch.Tensor, w: int) -> torch.Tensor:
-    fn = _varlen_fn()
-    out = fn(q, k, v, cu, cu, w, w)
-    return out[0] if isinstance(out, tuple) else out
-
-
-def varlen_runs(device, dtype, heads: int, kv_heads: int, head_dim: int) -> bool:
-    """Whether fresh prompt chunks can take torch's variable-length flash attention here:
-    CUDA, half precision, the function present, and one small causal call with padded rows
-    equal to the padded fused path on the real rows (else logged: the padded path, correct,
-    only more work). fp32 never does (flash has no fp32 kernels)."""
-    device = torch.device(device)
-    if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16):
-        return False
-    if _varlen_fn() is None:
-        log.info("fresh prompt chunks: torch has no variable-length attention; padded path")
-        return False
-    b, w = 2, 64
-    real = torch.tensor([37, 64], device=device)
-    g = torch.Generator(device=device).manual_seed(0)
-    q = torch.randn(b * w, heads, head_dim, device=device, dtype=dtype, generator=g)
-    k = torch.randn(b * w, kv_heads, head_dim, device=device, dtype=dtype, generator=g)
-    v = torch.randn(b * w, kv_heads, head_dim, device=device, dtype=dtype, generator=g)
-    try:
-        got = fresh_attention(q, k, v, b, real, True)
-        ref = fresh_attention(q, k, v, b, real, False)
-        torch.cuda.synchronize(device)
-    except Exception as exc:  # noqa: BLE001 - any failure: the padded path
-        log.warning("fresh prompt chunks: variable-length attention failed (%s); padded path", exc)
-        return False
-    keep = torch.cat([torch.arange(37), torch.arange(w, 2 * w)]).to(device)
-    err = (got[keep].float() - ref[keep].float()).abs().max().item()
-    if not (err < 2e-2 and torch.isfinite(got).all().item()):
-        log.warning(
-            "fresh prompt chunks: variable-length attention differs (%.3g); padded path", err
-        )
-        return False
-    return True
 
 
 def _causal_sdpa(q, keys, values, past: int) -> torch.Tensor:
@@ -327,8 +234,7 @@ def attend(
     if attn.backend == "fresh":
         if k is None or v is None:  # (the fused layers write their keys in-kernel)
             raise ValueError("fresh attention needs the forward's own keys and values")
-        out = torch.ops.ddserve.fresh_attention(q, k, v, b, attn.past, attn.varlen)
-        return out.view(n, nh * hd)
+        return torch.ops.ddserve.fresh_attention(q, k, v, b).view(n, nh * hd)
     if attn.backend == "ragged":
         out = torch.ops.ddserve.prefill_attention(q, kc, vc, attn.slots, attn.past)
         return out.view(n, nh * hd)

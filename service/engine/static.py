@@ -251,6 +251,24 @@ def layer_step(block: Block, x, cos, sin, kc, vc, rows, wpos, attn: Attn, rows_a
     return x + linear(F.silu(gate) * up, block.down_proj.weight)
 
 
+def kv_step(block: Block, x, cos, sin, kc, vc, rows, wpos) -> None:
+    """What a prompt chunk needs of the target's last layer when nothing taps it: its keys and
+    values, written as `layer_step` writes them (the chunk has no logits, and no later layer
+    reads its output). The rest of the layer (queries, attention, the MLP) is 1/L of the
+    prefill forward that nothing reads."""
+    c = block.cfg
+    q_rows, kvh, hd = c.num_heads * c.head_dim, c.num_kv_heads, c.head_dim
+    b, w = wpos.shape
+    h = block.input_layernorm(x)
+    kv = linear(h, block.qkv_weight[q_rows:])
+    if block.qkv_bias is not None:
+        kv = kv + block.qkv_bias[q_rows:]
+    kv = kv.view(b * w, 2 * kvh, hd)
+    k = apply_rope(kv[:, :kvh], cos[:, None], sin[:, None])
+    kc[rows[:, None], :, wpos] = k.reshape(b, w, kvh, hd)
+    vc[rows[:, None], :, wpos] = kv[:, kvh:].reshape(b, w, kvh, hd)
+
+
 def compile_layer_step():
     """layer_step through torch.compile (inductor fuses the norms, RoPE, SiLU*up and the
     residual adds into a few kernels per layer). dynamic=True: one compilation serves every

@@ -47,7 +47,6 @@ import torch
 
 from ddserve.config.engine import LiveParams
 from ddserve.engine.attention import backend as attention_backend
-from ddserve.engine.attention import varlen_runs
 from ddserve.engine.dflash import DFlashDrafter
 from ddserve.engine.drafters import Drafter
 from ddserve.engine.llama import Llama
@@ -142,11 +141,7 @@ class StaticEngine(Prefill, Drafting, Accepting):
         # triton, whose widest other chunks already hold as many tokens (the sdpa reference
         # keeps its narrow chunks and the activation memory they need)
         fresh = self.target.graphs.enabled and self.attention == "triton"
-        self.fresh_chunks = fresh_chunks(self.pool.max_len) if fresh else ()
-        cfg = model.cfg
-        self.target.fresh_varlen = fresh and varlen_runs(
-            model.device, model.dtype, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        )
+        self.fresh_chunks = fresh_chunks(self.pool.max_len, self.pool.usable) if fresh else ()
         self.sdraft = None
         if isinstance(drafter, DFlashDrafter):
             self.sdraft = StaticDFlash(

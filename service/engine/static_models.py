@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from ddserve.config.engine import MAX_BUDGET
-from ddserve.engine.attention import CAUSAL, FULL, TREE, plan, plan_fresh, plan_ragged
+from ddserve.engine.attention import CAUSAL, FRESH, FULL, TREE, plan, plan_ragged
 from ddserve.engine.dflash import DFlashDrafter
 from ddserve.engine.llama import Llama, apply_rope, linear
 from ddserve.engine.static import (
@@ -28,6 +28,7 @@ from ddserve.engine.static import (
     Staging,
     fit_slots,
     fuse_weights,
+    kv_step,
     layer_step,
     next_bucket,
 )
@@ -40,8 +41,7 @@ GUARD = next_bucket(MAX_BUDGET + 1, 256, 1 << 20)
 
 
 # the context class of a prompt chunk whose rows all start at an empty context (a prompt's
-# first chunk): its attention is the chunk's own causal self-attention (attention.plan_fresh);
-# such a forward's lengths field carries each row's real tokens (it has no committed ones)
+# first chunk): its attention is the chunk's own causal self-attention (attention.FRESH)
 FRESH_CTX = 0
 
 
@@ -95,9 +95,6 @@ class StaticTarget:
         # without a graph (False, once the engine's warm-up captured what it captures: a
         # capture while others decode stalled them ~0.2-0.4 s on the H200, bench/NOTES.md)
         self.capture_prefill = True
-        # fresh prompt chunks by torch's variable-length flash attention (the engine turns it
-        # on where `attention.varlen_runs`; the padded fused path otherwise)
-        self.fresh_varlen = False
         self.inputs: dict[tuple, torch.Tensor] = {}
         self.staging = Staging()
 
@@ -177,12 +174,17 @@ class StaticTarget:
         if ragged is not None:
             attn = ragged
         elif ctx == FRESH_CTX and not rows_are_slots:
-            attn = plan_fresh(lens, self.fresh_varlen)
+            attn = FRESH
         else:
             attn = plan(self.attention, lens, mode, tree, w, ctx, groups, x.dtype)
         taps = []
         layer = self.layer if ragged is None else self.prefill_layer
+        last = len(m.layers) - 1
         for i, block in enumerate(m.layers):
+            if i == last and not rows_are_slots and i not in self.capture:
+                # a prompt chunk's last layer: only its keys and values are read later
+                kv_step(block, x, cos, sin, self.pool.k[i], self.pool.v[i], rows, wpos)
+                break
             x = layer(
                 block,
                 x,

@@ -36,14 +36,15 @@ PREFILL_CHUNKS = (16, 64, 256)  # prompt chunk widths, sdpa (it reads a padded k
 PREFILL_CHUNKS_LONG = (16, 64, 256, 512, 1024, 2048)
 PREFILL_ROWS = 8  # prompts prefilled together in one forward
 # a prompt's first chunk under CUDA graphs (its rows all start at an empty context: attention
-# over the chunk's own keys by torch's fused kernels, attention.plan_fresh): widths up to the
+# over the chunk's own keys by torch's fused kernels, attention.FRESH): widths up to the
 # pool's, so a prompt of up to 8,192 tokens to an idle engine is one forward (on the H200 a
 # 7,200-token prompt took 35.5 ms in 2,048-token chunks, 26 of them in the triton kernel's
 # attention, where cuDNN's causal attention over all 7,200 took 5.2); at most FRESH_TOKENS
-# tokens (rows x width) a forward, as the widest chunks of the other classes. Every 1,024
-# tokens, and 7,680 (a prompt pads to the next width: 7,200 tokens once paid 8,192 rows in
-# every matmul, ~12% of the forward; a width costs two graphs at warm-up)
-FRESH_CHUNKS = (1024, 2048, 3072, 4096, 5120, 6144, 7168, 7680, 8192)
+# tokens (rows x width) a forward, as the widest chunks of the other classes. A prompt pads
+# to the next width, and its padded rows pay the causal attention too (its cost grows with
+# the width squared): every 512 tokens above 4,096 (a 7,200-token prompt in 7,680 rows took
+# 12.2 ms against 12.8 in 8,192 on the H200; a width costs two graphs at warm-up)
+FRESH_CHUNKS = (1024, 2048, 3072, 4096, 4608, 5120, 5632, 6144, 6656, 7168, 7680, 8192)
 FRESH_TOKENS = 16384
 # prompt tokens of one forward without a graph while nothing decodes: a long prompt in one
 # (fused attention's memory is linear; on the H200 one 7,200-token causal attention took 0.18
@@ -52,9 +53,17 @@ FRESH_TOKENS = 16384
 PREFILL_WHOLE = 8192
 
 
-def fresh_chunks(max_len: int) -> tuple[int, ...]:
-    """The fresh-prompt chunk widths a pool of `max_len` entries a slot takes."""
-    return tuple(w for w in FRESH_CHUNKS if w <= max_len)
+def fresh_chunks(max_len: int, usable: int | None = None) -> tuple[int, ...]:
+    """The fresh-prompt chunk widths a pool of `max_len` entries a slot takes, up to the first
+    that holds `usable` entries (a request's most: no prompt is longer)."""
+    out: list[int] = []
+    for w in FRESH_CHUNKS:
+        if w > max_len:
+            break
+        out.append(w)
+        if usable is not None and w >= usable:
+            break
+    return tuple(out)
 
 
 def fresh_rows(w: int) -> int:
@@ -193,8 +202,7 @@ class Prefill:
                 # the chunk's padding past the prompt may run beyond the pool: clamp it to the
                 # last (guard) entry; no real token sees it (causal), and it is never kept
                 pos[r] = np.minimum(at + np.arange(w), ml - 1)
-                # (a fresh chunk has nothing committed: its lengths are its real tokens)
-                lens[r], rows[r] = (n if ctx == FRESH_CTX else at), seqs[i].cache.slot
+                lens[r], rows[r] = at, seqs[i].cache.slot
                 takes.append((r, i, n))
                 longest = max(longest, at + w)
             packed = pack_target(toks, pos, pos, lens, rows)  # causal: no tree

@@ -341,21 +341,3 @@ class ReferenceDFlash(DFlashDrafter):
         state.values = [v[:, :, n:] for v in state.values]
         state.start += n
         state.length -= n
-
-
-def varlen_reference(q, k, v, cu_q, cu_k, max_q, max_k):
-    """A stand-in for torch's variable-length flash attention (CUDA only) where it cannot run:
-    causal attention within each sequence [cu_q[i], cu_q[i+1]) of the packed rows q [T, nh,
-    hd], k/v [T, kvh, hd] (grouped heads), through sdpa."""
-    assert torch.equal(cu_q, cu_k) and max_q == max_k
-    out = torch.zeros_like(q)
-    g = q.shape[1] // k.shape[1]
-    bounds = cu_q.tolist()
-    for a, e in zip(bounds, bounds[1:], strict=False):
-        if e > a:
-            qs = q[a:e].transpose(0, 1)[None]
-            ks = k[a:e].repeat_interleave(g, 1).transpose(0, 1)[None]
-            vs = v[a:e].repeat_interleave(g, 1).transpose(0, 1)[None]
-            att = torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, is_causal=True)
-            out[a:e] = att[0].transpose(0, 1)
-    return out

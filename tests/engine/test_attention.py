@@ -28,11 +28,7 @@ from ddserve.engine.dflash import DFlashDrafter  # noqa: E402
 from ddserve.engine.drafters import NoDrafter  # noqa: E402
 from ddserve.engine.static_engine import StaticEngine  # noqa: E402
 from ddserve.engine.weights import random_llama, tiny_config  # noqa: E402
-from tests.engine.reference import (  # noqa: E402
-    decode_with_late_joiner,
-    record_trees,
-    varlen_reference,
-)
+from tests.engine.reference import decode_with_late_joiner, record_trees  # noqa: E402
 from tests.engine.test_batching import PROMPTS  # noqa: E402
 from tests.engine.test_lossless import random_dflash  # noqa: E402
 
@@ -117,39 +113,6 @@ def test_ragged_prefill_equals_reference(dtype):
     assert (out[:2] - ref[:2]).abs().max().item() < tol
     assert (out[2, :10] - ref[2, :10]).abs().max().item() < tol
     assert out[2, 10:].abs().max().item() == 0
-
-
-def test_fresh_segments():
-    """Each fresh row's real tokens are one sequence and its padding another: a row all real
-    or all padding has an empty one."""
-    got = A.fresh_segments(torch.tensor([5, 8, 0, 11]), 4, 8)
-    assert got.dtype == torch.int32
-    assert got.tolist() == [0, 5, 8, 16, 16, 16, 24, 32, 32]
-
-
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_fresh_varlen_equals_padded(dtype, monkeypatch):
-    """A fresh chunk (rows from an empty context) by variable-length attention equals the
-    padded fused path on every real row, and its padding rows stay finite: torch's flash
-    kernel on CUDA in half precision (where `varlen_runs` must say it runs), elsewhere the
-    sdpa stand-in for it (`varlen_reference`: what is tested then is the segments)."""
-    b, w, kvh, g, hd = 3, 40, 3, 3, 64
-    gen = torch.Generator().manual_seed(5)
-    q, k, v = (torch.randn(b * w, h, hd, generator=gen).to(DEV, dtype) for h in (kvh * g, kvh, kvh))
-    real = torch.tensor([17, 40, 1]).to(DEV)
-    kernel = CUDA and dtype != torch.float32
-    if kernel:
-        assert A.varlen_runs(torch.device(DEV), dtype, kvh * g, kvh, hd)
-    else:
-        monkeypatch.setattr(A, "_varlen_fn", lambda: varlen_reference)
-    padded = A.attend(q, k, v, None, b, w, A.plan_fresh(real, False), False, k, v)
-    out = A.attend(q, k, v, None, b, w, A.plan_fresh(real, True), False, k, v)
-    padded, out = padded.float().view(b, w, -1), out.float().view(b, w, -1)
-    tol = 1e-5 if dtype == torch.float32 else 2e-2
-    for r, n in enumerate(real.tolist()):
-        assert (out[r, :n] - padded[r, :n]).abs().max().item() < tol
-    assert torch.isfinite(out).all()
-    assert not A.varlen_runs(torch.device("cpu"), torch.bfloat16, kvh * g, kvh, hd)
 
 
 @pytest.mark.parametrize("drafter", ["none", "dflash"])

@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from ddserve.config.engine import EngineConfig, LiveParams
-from ddserve.engine import attention
 from ddserve.engine.dflash import DFlashDrafter
 from ddserve.engine.drafters import NGramDrafter, NoDrafter
 from ddserve.engine.prefill_pacing import MIN_TOKENS
@@ -21,12 +20,7 @@ from ddserve.engine.static_models import FRESH_CTX
 from ddserve.engine.static_prefill import fresh_chunks, fresh_rows
 from ddserve.engine.weights import random_llama, tiny_config
 from ddserve.errors import EngineError
-from tests.engine.reference import (
-    ReferenceDFlash,
-    ReferenceEngine,
-    record_trees,
-    varlen_reference,
-)
+from tests.engine.reference import ReferenceDFlash, ReferenceEngine, record_trees
 from tests.engine.test_batching import PROMPTS, check_batched_sampling, run_lockstep
 from tests.engine.test_lossless import assert_logprobs_match, plain_greedy, random_dflash
 
@@ -77,6 +71,53 @@ def compare(model, graphs: bool, configs):
 @pytest.fixture(scope="module")
 def tiny():
     return random_llama(tiny_config(vocab_size=512), seed=3)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_a_prompt_chunks_last_layer_writes_its_keys_and_values_only(tiny, bias):
+    """`kv_step` (a prompt chunk's last layer when nothing taps it) writes the keys and values
+    `layer_step` writes, entry for entry (with a QKV bias too), and nothing else."""
+    from ddserve.engine.attention import plan
+    from ddserve.engine.static import fuse_weights, kv_step, layer_step
+
+    block = tiny.layers[-1]
+    fuse_weights(block)
+    cfg = tiny.cfg
+    if bias:
+        block.qkv_bias = torch.randn(
+            block.qkv_weight.shape[0], generator=torch.Generator().manual_seed(1)
+        )
+    gen = torch.Generator().manual_seed(4)
+    b, w, slots, length = 2, 5, 3, 16
+    x = torch.randn(b * w, cfg.hidden_size, generator=gen)
+    pos = torch.tensor([[3, 4, 5, 6, 7], [0, 1, 2, 3, 4]])
+    cos, sin = tiny.rope(pos.view(-1))
+    rows = torch.tensor([2, 0])
+    pools = []
+    for step in ("layer", "kv"):
+        kc = torch.randn(
+            slots,
+            cfg.num_kv_heads,
+            length,
+            cfg.head_dim,
+            generator=torch.Generator().manual_seed(7),
+        )
+        vc = kc.clone() + 1
+        if step == "layer":
+            lens = torch.tensor([3, 0])
+            attn = plan(
+                "sdpa", lens, 1, None, w, length, cfg.num_heads // cfg.num_kv_heads, x.dtype
+            )
+            layer_step(block, x, cos, sin, kc, vc, rows, pos, attn, False)
+        else:
+            kv_step(block, x, cos, sin, kc, vc, rows, pos)
+        pools.append((kc, vc))
+    block.qkv_bias = None
+    (k1, v1), (k2, v2) = pools
+    assert torch.allclose(k1, k2, atol=1e-6) and torch.allclose(v1, v2, atol=1e-6)
+    init = torch.randn(k1.shape, generator=torch.Generator().manual_seed(7))
+    assert not torch.equal(k2[2, :, 3:8], init[2, :, 3:8])  # written
+    assert torch.equal(k2[1], init[1]) and torch.equal(v2[1], init[1] + 1)  # slot 1: untouched
 
 
 def test_engine_equals_reference_cpu(tiny):
@@ -769,9 +810,11 @@ def test_the_warm_up_captures_every_graph_serving_can_need(tiny, monkeypatch, dr
         attention="triton", device_tree=False,
     )  # fmt: skip
     t, ml = eng.target, eng.target.pool.max_len
-    eng.fresh_chunks = fresh_chunks(ml)  # as under graphs
+    eng.fresh_chunks = fresh_chunks(ml, t.pool.usable)  # as under graphs
     assert eng.fresh_chunks == (1024, 2048, 3072, 4096)  # the pool's 4,096 + guard
-    assert fresh_chunks(8192 + 512) == (1024, 2048, 3072, 4096, 5120, 6144, 7168, 7680, 8192)
+    wide = (4096, 4608, 5120, 5632, 6144, 6656, 7168, 7680, 8192)
+    assert fresh_chunks(8192 + 512, 8192)[3:] == wide
+    assert fresh_chunks(8192 + 512, 7000)[-1] == 7168 and fresh_chunks(5000)[-1] == 4608
     assert t.classes((128, 256, 512)) == [512, ml]
     assert {t.ctx_bucket(n) for n in range(1, ml + 1)} == {512, ml}
     keys = set()
@@ -813,36 +856,24 @@ def test_the_warm_up_captures_every_graph_serving_can_need(tiny, monkeypatch, dr
 
 
 @pytest.mark.parametrize("drafter", ["none", "dflash"])
-def test_an_idle_engine_prefills_a_long_prompt_in_one_forward(tiny, drafter, monkeypatch):
+def test_an_idle_engine_prefills_a_long_prompt_in_one_forward(tiny, drafter):
     """Without graphs and with nothing decoding, a prompt longer than the widest chunk goes in
     one forward (two prompts: one forward of both rows), and decodes exactly as one prefilled
     in the fixed chunks of captured shapes, as one whose first chunk (both rows) takes the
-    fresh class (attention over the chunk's own keys, one forward up to the pool's width; also
-    by variable-length attention over the rows' real tokens), and as one whose fresh chunk is
-    followed by others: the same KV entries, tokens and (DFlash,
+    fresh class (attention over the chunk's own keys, one forward up to the pool's width), and
+    as one whose fresh chunk is followed by others: the same KV entries, tokens and (DFlash,
     which takes the prompt's tapped states) accept lengths; the last layer's keys depend on
     the attention below it."""
     gen = torch.Generator().manual_seed(9)
     prompts = [torch.randint(3, 500, (n,), generator=gen).tolist() for n in (700, 450)]
     draft = random_dflash(tiny) if drafter == "dflash" else None
     outs, pools = [], []
-    for shapes in ("exact", "captured", "fresh", "fresh-varlen", "fresh-then-chunks"):
+    for shapes in ("exact", "captured", "fresh", "fresh-then-chunks"):
         d = DFlashDrafter(draft, tiny) if draft is not None else NoDrafter()
         eng = StaticEngine(tiny, d, 6, (), slots=4, max_context=1024, graphs=False)
         if shapes != "exact":
             eng.target.prefill_eager = lambda key: False
-        if shapes.startswith("fresh-v"):  # rows by their real lengths: the packed lengths
-            # reach the attention (flash's varlen kernel runs on CUDA only: its stand-in)
-            segments = []
-
-            def recording(q, k, v, cu_q, *rest, segments=segments):
-                segments.append(cu_q.tolist())
-                return varlen_reference(q, k, v, cu_q, *rest)
-
-            monkeypatch.setattr(attention, "_varlen_fn", lambda: recording)
-            eng.target.fresh_varlen = True
-        if shapes.startswith("fresh") and shapes != "fresh-then-chunks":
-            # as under graphs: first chunks up to the pool's width
+        if shapes == "fresh":  # as under graphs: first chunks up to the pool's width
             eng.fresh_chunks = fresh_chunks(eng.pool.max_len)
         elif shapes == "fresh-then-chunks":
             eng.fresh_chunks = (256,)
@@ -866,11 +897,8 @@ def test_an_idle_engine_prefills_a_long_prompt_in_one_forward(tiny, drafter, mon
             eng.release(other)
         elif shapes == "captured":  # 256-wide chunks (this engine's widest), rows padded
             assert widths == [(2, 256, False)] * 2 + [(1, 256, False)]
-        elif shapes.startswith("fresh-v") or shapes == "fresh":  # both first chunks in one
-            # forward of the fresh class
+        elif shapes == "fresh":  # both first chunks in one forward of the fresh class
             assert widths == [(2, 1024, True)]
-            if shapes == "fresh-varlen":  # every layer: each row's real tokens, its padding
-                assert segments == [[0, 699, 1024, 1024 + 449, 2048]] * tiny.cfg.num_layers
         else:  # a fresh first chunk, then the rest in chunks after it
             assert widths == [(2, 256, True), (2, 256, False), (1, 256, False)]
         pools.append(
