@@ -2,7 +2,7 @@
 # by `git archive REV service | tar -x -C .carry/old --exclude=service/engine/dflash_weights`):
 # side by side in one call, the earlier code against this tree, each with today's bench/:
 #   a ~7,200-token prompt's TTFT at C=1 through `ddserve engine` (paced defaults, AR)
-#   bench.engine_load at C=64 (LOAD_C), AR and b16/k4 adaptive (WAVES=8, held-out prompts)
+#   bench.engine_load at C=2/64 (LOAD_C), AR and b16/k4 adaptive (WAVES=8, held-out prompts)
 mkdir -p /root/parts /root/res && cp .carry/q3/SmolLM2* /root/parts/ 2>/dev/null
 . bench/device_env.sh /root/parts
 R=/root/res
@@ -21,7 +21,7 @@ done
 for v in old new; do
     pp=/tmp/pp; [ $v = old ] && pp=/tmp/pp-old
     PYTHONPATH=$pp:/tmp/site:$root timeout ${LOAD_S:-130} python3 -m ddserve.bench.engine_load \
-        --device cuda --configs ar,dflash-b16k4@adaptive --concurrency ${LOAD_C:-64} --requests 32 \
+        --device cuda --configs ar,dflash-b16k4@adaptive --concurrency ${LOAD_C:-2,64} --requests 32 \
         --waves 8 --max-tokens 128 --prompt-set heldout:16 --name load-$v --out $R 2>&1 | quiet
     tar czf $OUT/res3.tgz -C /root res
 done
