@@ -30,7 +30,10 @@ The engine's start-up cost model (`prior`: real rounds of every candidate at eve
 bucket, on throw-away prompts, StaticEngine.round_times) gives every time a first estimate,
 so a batch bucket met for the first time needs no rounds of its own to choose; gains come
 from live rounds only, so until a candidate's is known the largest such is drafted (at most
-twice at a batch size: its round teaches every smaller one's). Without a prior, at a new batch bucket every
+twice at a batch size: its round teaches every smaller one's), and the ceiling drafts until
+every increment has seen GAIN_WARM requests (each is a plain mean over its first 50: at one
+request a round, a first sample that stood for ~50 rounds once kept the H200 at budget 3
+for half a C=1 level, 1.25x AR where b16 made 1.49x). Without a prior, at a new batch bucket every
 candidate runs twice first (the first round of a shape may pay
 for warming it up: its time is replaced by the second's); after that another candidate is
 re-tried every `interval` rounds of that bucket, an interval that doubles while the best
@@ -48,6 +51,11 @@ from dataclasses import dataclass, field
 
 ALPHA = 0.1  # weight of a round's time in its average
 GAIN_ALPHA = 0.02  # weight of one request's tokens in the gains (a round of n: 1 - 0.98**n)
+# ... or more while an increment has seen few requests: each of its first 1 / GAIN_ALPHA
+# counts alike (a plain mean), so one request's unlucky first round (1 token where 2.5 is
+# usual) does not stand for ~50 rounds; and until the ceiling's increments have seen
+# GAIN_WARM requests, rounds draft at the ceiling (it teaches every candidate's gain)
+GAIN_WARM = 16
 # a re-try's sample, whose estimate may be many rounds old: it replaces the time (rounds
 # of one shape vary little) and weighs half in the gain (a round's acceptance varies a lot)
 RETRY_TIME_ALPHA, RETRY_GAIN_ALPHA = 1.0, 0.5
@@ -90,6 +98,7 @@ class SpecPolicy:
     time: dict[tuple[int, int], float] = field(default_factory=dict)
     inc: dict[int, float] = field(default_factory=dict)  # candidate -> its increment
     buckets: dict[int, _Bucket] = field(default_factory=dict)
+    seen: dict[int, int] = field(default_factory=dict)  # candidate -> requests its inc saw
     samples: dict[tuple[int, int], int] = field(default_factory=dict)
     tries: dict[tuple[int, int], int] = field(default_factory=dict)  # rounds, ok or not
 
@@ -116,6 +125,8 @@ class SpecPolicy:
         ]
         if unknown:
             return unknown[-1]
+        if self.known(ceiling) and min(self.seen.get(b, 0) for b in cands[1:]) < GAIN_WARM:
+            return ceiling  # the gains' first requests: the round that teaches them all
         # those whose rounds never succeeded anywhere have no gain: not candidates here
         cands = [b for b in cands if self.known(b)] or [0]
         st = self.buckets.setdefault(key, _Bucket())
@@ -175,12 +186,15 @@ class SpecPolicy:
         self.time[key] = seconds if old is None else _avg(old, min(seconds, CLIP * old), a)
         if budget <= 0 or not paths:
             return
-        a = RETRY_GAIN_ALPHA if retry else 1 - (1 - GAIN_ALPHA) ** len(paths)
+        n = len(paths)
+        a = RETRY_GAIN_ALPHA if retry else 1 - (1 - GAIN_ALPHA) ** n
         cands = candidates(budget)
         for lo, b in zip(cands, cands[1:], strict=False):  # what each step up would add
-            got = sum(1 for p in paths for i in p if lo < i <= b) / len(paths)
-            old = self.inc.get(b)
-            self.inc[b] = got if old is None else _avg(old, got, a)
+            got = sum(1 for p in paths for i in p if lo < i <= b) / n
+            old, seen = self.inc.get(b), self.seen.get(b, 0)
+            # a plain mean over its first requests, then the moving average
+            self.inc[b] = got if old is None else _avg(old, got, max(a, n / (seen + n)))
+            self.seen[b] = seen + n
 
     def failed(self, batch: int, budget: int) -> None:
         """A round of `budget` that raised (the runner retried its requests one by one): a
