@@ -48,6 +48,7 @@ REGISTRY = {
     "dflash-b4k2": ("dflash", 4, 2),
     "dflash-b8k1": ("dflash", 8, 1),
     "dflash-b8k2": ("dflash", 8, 2),
+    "dflash-b15k4": ("dflash", 15, 4),  # 16 rows a verify: the fused layers (b16k4: 17, 32 wide)
     "dflash-b16k4": ("dflash", 16, 4),
     "dflash-b3k4": ("dflash", 3, 4),  # with b7k4: the adaptive candidates under b16k4
     "dflash-b7k4": ("dflash", 7, 4),
