@@ -90,9 +90,12 @@ class KVPool:
     ):
         self.slots, self.max_len, self.guard = slots, max_len, guard
         self.usable = max_len - guard  # entries a request may fill
+        self.kv_heads = cfg.num_kv_heads
         shape = (num_layers, slots, cfg.num_kv_heads, max_len, cfg.head_dim)
-        self.k = zeros(shape, device, dtype)
-        self.v = zeros(shape, device, dtype)
+        # keys and values in one buffer (k = kv[0], v = kv[1]): a round's moves are one
+        # gather and one scatter over both (`move_entries`)
+        self.kv = zeros((2, *shape), device, dtype)
+        self.k, self.v = self.kv[0], self.kv[1]
         self._free = list(range(slots))
 
     @staticmethod
@@ -124,19 +127,32 @@ class KVPool:
     def guard_positions(self, w: int) -> torch.Tensor:
         return torch.arange(self.max_len - w, self.max_len)
 
+    def entries(self, slots: np.ndarray, pos: np.ndarray) -> np.ndarray:
+        """Where entries `pos` of `slots` lie in the pool seen as [2 x layers, slot x head x
+        position, head_dim] (`move_entries`): one index per (entry, KV head), int64."""
+        kvh = self.kv_heads
+        heads = (np.asarray(slots, np.int64)[:, None] * kvh + np.arange(kvh)) * self.max_len
+        return (heads + np.asarray(pos, np.int64)[:, None]).reshape(-1)
+
     @torch.inference_mode()
     def move(self, slots, dst, src) -> None:
         """Copy entries src -> dst within their slots, all layers at once (the accepted path
         of a tree moves next to the committed prefix). dst <= src, gathered before written.
-        Lists of ints, or int64 tensors already on the pool's device."""
+        Lists or arrays of ints."""
         if not len(slots):
             return
-        if not isinstance(slots, torch.Tensor):  # else: index tensors on the pool's device
-            dev = self.k.device
-            slots, dst, src = torch.tensor(np.array([slots, dst, src], dtype=np.int64)).to(dev)
-        s, d, r = slots, dst, src
-        for buf in (self.k, self.v):
-            buf[:, s, :, d] = buf[:, s, :, r]
+        idx = np.concatenate([self.entries(slots, dst), self.entries(slots, src)])
+        idx = torch.from_numpy(idx).to(self.kv.device)
+        half = idx.shape[0] // 2
+        self.move_entries(idx[:half], idx[half:])
+
+    @torch.inference_mode()
+    def move_entries(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """`move` by `entries`' indices (int64 on the pool's device): keys and values of
+        every layer in one gather and one scatter. On the H200 the advanced-index writes
+        this replaced cost ~0.2 ms of host time a round (two gathers, two scatters)."""
+        rows = self.kv.view(self.kv.shape[0] * self.kv.shape[1], -1, self.kv.shape[-1])
+        rows.index_copy_(1, dst, rows.index_select(1, src))
 
 
 def fit_slots(wanted: int, per_slot: int, free: int, total: int, fraction: float) -> int:

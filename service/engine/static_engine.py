@@ -342,12 +342,18 @@ class StaticEngine(Prefill, Drafting, Accepting):
         # move the accepted paths' KV (and drafter features) for the whole batch; this
         # writes only pending entries, so if it fails nothing committed has changed
         idx, n, m = self._move_index(seqs, decided, paths, lengths, starts, rows, w)
+        if n:  # the pool's rows of the moving entries (every KV head), then the features'
+            pool, (slots_, to, frm) = self.pool, (idx[i * n : (i + 1) * n] for i in range(3))
+            idx = np.concatenate(
+                [pool.entries(slots_, to), pool.entries(slots_, frm), idx[3 * n :]]
+            )
+            n *= pool.kv_heads
         if n or m:  # every index of the moves in one host->device copy
-            idx = torch.from_numpy(idx).to(self.pool.k.device)
-            self.pool.move(idx[:n], idx[n : 2 * n], idx[2 * n : 3 * n])
+            idx = torch.from_numpy(idx).to(self.pool.kv.device)
+            self.pool.move_entries(idx[:n], idx[n : 2 * n])
         if m:  # copied out now: the next forward of this shape overwrites `taps`
             feats = self.sdraft.feats.flatten(0, 1)
-            at = 3 * n
+            at = 2 * n
             feats.index_copy_(0, idx[at : at + m], taps.index_select(0, idx[at + m :]))
         # commit: host state only
         out: list[Outcome] = []

@@ -664,6 +664,31 @@ def test_kv_slots_fit_the_memory_fraction():
     assert 3 * per_slot == pool.k.nbytes + pool.v.nbytes
 
 
+def test_pool_moves_copy_every_layers_keys_and_values_of_the_entries_named():
+    """`KVPool.move` (a round's accepted paths: entries gathered, then written, dst <= src)
+    copies keys and values of every layer and KV head of exactly the entries named, in their
+    own slots, as a copy entry by entry from a snapshot does; the keys and values are one
+    buffer (k = kv[0], v = kv[1])."""
+    from ddserve.engine.static import KVPool
+
+    cfg = tiny_config(vocab_size=512)
+    pool = KVPool(cfg, cfg.num_layers, 3, 64, 16, "cpu", torch.float32)
+    assert pool.k.data_ptr() == pool.kv[0].data_ptr() and pool.v.data_ptr() == pool.kv[1].data_ptr()
+    pool.kv.copy_(torch.randn(pool.kv.shape, generator=torch.Generator().manual_seed(2)))
+    slots, dst, src = (
+        [2, 2, 2, 0, 1],
+        [10, 11, 12, 5, 40],
+        [11, 14, 12, 9, 47],
+    )  # 11: read, then written
+    want = pool.kv.clone()
+    for s, d, r in zip(slots, dst, src, strict=True):
+        want[:, :, s, :, d] = pool.kv[:, :, s, :, r]
+    pool.move(slots, dst, src)
+    assert torch.equal(pool.kv, want)
+    # 10 took 11's old entry, not 14's (which 11 took): a chain of copies would differ
+    assert not torch.equal(want[:, :, 2, :, 10], want[:, :, 2, :, 11])
+
+
 def test_a_wait_behind_older_prompts_counts_as_queue_time():
     """Request phases (vLLM's): a younger long prompt waiting for an older one (first come
     first served, with its sequence already made) is queued until its own first tokens go
