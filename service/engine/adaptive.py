@@ -101,6 +101,7 @@ class SpecPolicy:
     seen: dict[int, int] = field(default_factory=dict)  # candidate -> requests its inc saw
     samples: dict[tuple[int, int], int] = field(default_factory=dict)
     tries: dict[tuple[int, int], int] = field(default_factory=dict)  # rounds, ok or not
+    failures: set[tuple[int, int]] = field(default_factory=set)  # (bucket, budget) that raised
 
     def prior(self, batch: int, budget: int, seconds: float) -> None:
         """A start-up measurement of a round of `budget` at `batch` requests: its first time
@@ -125,7 +126,11 @@ class SpecPolicy:
         ]
         if unknown:
             return unknown[-1]
-        if self.known(ceiling) and min(self.seen.get(b, 0) for b in cands[1:]) < GAIN_WARM:
+        if (
+            self.known(ceiling)
+            and min(self.seen.get(b, 0) for b in cands[1:]) < GAIN_WARM
+            and (key, ceiling) not in self.failures
+        ):
             return ceiling  # the gains' first requests: the round that teaches them all
         # those whose rounds never succeeded anywhere have no gain: not candidates here
         cands = [b for b in cands if self.known(b)] or [0]
@@ -203,6 +208,7 @@ class SpecPolicy:
         key = (size_bucket(batch), budget)
         self.samples[key] = self.samples.get(key, 0) + 1
         self.tries[key] = self.tries.get(key, 0) + 1
+        self.failures.add(key)  # never again the gains' warm-up round at this bucket
         times = [t for (k, _), t in self.time.items() if k == key[0]]
         self.time[key] = CLIP * max(times + [self.time.get(key, 0.0), 1e-3])
 

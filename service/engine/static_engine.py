@@ -350,6 +350,7 @@ class StaticEngine(Prefill, Drafting, Accepting):
             n *= pool.kv_heads
         if n or m:  # every index of the moves in one host->device copy
             idx = torch.from_numpy(idx).to(self.pool.kv.device)
+        if n:
             self.pool.move_entries(idx[:n], idx[n : 2 * n])
         if m:  # copied out now: the next forward of this shape overwrites `taps`
             feats = self.sdraft.feats.flatten(0, 1)

@@ -247,6 +247,27 @@ def test_one_requests_unlucky_first_rounds_do_not_settle_the_policy(batch):
     assert worst >= 0.9
 
 
+def test_a_ceiling_that_fails_at_one_batch_size_is_not_warmed_up_there():
+    """The gains' warm-up drafts at the ceiling; a ceiling that succeeded at 1 request but
+    raises at 64 (out of memory, say) is not chosen there again and again (each failed
+    round retries its requests one by one, and a request failing alone ends)."""
+    policy = SpecPolicy()
+    for batch in (1, 64):
+        for b in candidates(16):
+            policy.prior(batch, b, 0.01 + 0.001 * b * batch)
+    assert policy.choose(1, 16) == 16
+    policy.record(1, 16, 0.03, [[1, 2, 3]])
+    chosen = []
+    for _ in range(50):
+        b = policy.choose(64, 16)
+        chosen.append(b)
+        if b == 16:
+            policy.failed(64, 16)
+        else:
+            policy.record(64, b, 0.01 + 0.001 * b * 64, [[1]] * 64)
+    assert chosen.count(16) <= 3 and set(chosen[-20:]) != {16}
+
+
 def test_start_up_times_then_live_rounds_follow_the_workload():
     """Start-up times from short throw-away prompts under-state the live rounds (longer
     contexts): live rounds average in, so the policy still settles on the best."""
