@@ -22,7 +22,7 @@ for v in old new; do
         --name rp-$v --out $R 2>&1 | quiet | grep -v '^      '
     tar czf $OUT/res-c1.tgz -C /root res
 done
-timeout ${LOAD_S:-130} python3 -m ddserve.bench.engine_load --device cuda \
+[ "${LOAD_S:-130}" = 0 ] || timeout ${LOAD_S:-130} python3 -m ddserve.bench.engine_load --device cuda \
     --configs ar,dflash-b15k4,dflash-b16k4,dflash-b16k4@adaptive --concurrency 1,2 --requests 32 \
     --waves 8 --max-tokens 128 --prompt-set heldout:16 --name load-c1 --out $R 2>&1 | quiet
 tar czf $OUT/res-c1.tgz -C /root res
