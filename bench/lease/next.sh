@@ -1,5 +1,6 @@
 # For the next lease: its third call, after calls 1-2 carried `.carry/q1` (with `.whl`) and
-# `.carry/q2` (this one carries `.carry/q3` and `.carry/old`, an earlier commit's service/:
+# `.carry/q2` (this one carries `.carry/q3` and `.carry/old`: the service/ of 9af0a55, the commit
+# before the one-buffer KV moves, `git archive 9af0a55 service | tar -x -C .carry/old ...`,
 # see old_env.sh). What the tenth session left unmeasured, in the order of its value:
 #   the API process's part of a long prompt's first token on this host (no GPU needed)
 #   issue 14's levels with the adaptive policy's warmed-up gains (C=1..64)
