@@ -89,7 +89,7 @@ def serve(port: int, profile: bool) -> None:
 
     import uvicorn
 
-    from ddserve.api.app import create_app
+    from ddserve.api.app import create_app, freeze_startup_heap
     from ddserve.engine.weights import load_tokenizer
 
     backend = Instant(load_tokenizer(MODEL))
@@ -110,6 +110,7 @@ def serve(port: int, profile: bool) -> None:
         server.should_exit = True
 
     signal.signal(signal.SIGTERM, stop)
+    freeze_startup_heap()  # as `ddserve engine`'s API processes and the replicas do
     if prof is not None:
         prof.enable()
     server.run()
