@@ -94,7 +94,7 @@ def serve(port: int, profile: bool) -> None:
 
     backend = Instant(load_tokenizer(MODEL))
     app = create_app(backend, admin_enabled=False, stats_interval_s=0, access_log=False)
-    entered = backend.entered = []
+    entered: list[float] = []
 
     @app.middleware("http")
     async def arrival(request, call_next):  # when the request reached the app (headers read)
