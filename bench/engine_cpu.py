@@ -105,7 +105,9 @@ def engine_runs(
     prompts = chat_ids(tok, texts)
     rows, ref = [], None
     for name in configs:
-        base, *modes = name.split("@")  # @nofused: torch's layers (no fused triton kernels)
+        # @nofused: torch's layers (no fused triton kernels); @fused: fused also where auto
+        # would not (fp32: the kernels' exact products against the reference)
+        base, *modes = name.split("@")
         kind, budget, topk = REGISTRY[base]
         drafter = make_drafter(kind, m, dflash)
         gpu = m.device.type == "cuda"  # CUDA graphs and torch.compile on a GPU, as served
@@ -118,7 +120,7 @@ def engine_runs(
             max_context=2048,
             graphs=gpu,
             compile=gpu,
-            fused_layers="off" if "nofused" in modes else "auto",
+            fused_layers="off" if "nofused" in modes else ("on" if "fused" in modes else "auto"),
         )
         eng.warm_up(LiveParams(budget=budget, topk=topk))
         eng.generate(

@@ -3,13 +3,14 @@ time per launch for every launch-parameter set of a grid, at the row counts of d
 verify, next to torch's compiled layer; the best set per (kernel, row block) is what
 layer_triton.DEFAULTS should hold.
 
-    python -m ddserve.bench.layer_kernels [--rows 1,64] [--layers 30] [--name layer_kernels]
+    python -m ddserve.bench.layer_kernels [--rows 1,16,32,64] [--layers 30] [--name layer_kernels]
 
 Every timing is a CUDA graph of one launch per layer, each layer its own weights (SmolLM2's
 shapes, random, bf16), so weights stream from memory as in a real step rather than sit in
 L2; replayed 20 times, per launch. Then whole layers (qkv + attention + o + gate/up + down)
-with the defaults and with the best sets, against the torch.compile'd reference layer.
-Writes NAME.json under --out.
+with the defaults and with the best sets, against the torch.compile'd reference layer, and
+the best sets once more without programmatic dependent launch (layer_triton.PDL), then
+also without the L2 prefetches (PREFETCH), side by side. Writes NAME.json under --out.
 """
 
 from __future__ import annotations
@@ -30,12 +31,13 @@ from ddserve.engine.llama import Block, Rotary
 from ddserve.engine.static import compile_layer_step, fuse_weights
 
 GRID = {
-    "qkv": dict(bn=[0], bk=[128, 256, 1024], warps=[4, 8], stages=[1, 3]),
+    # qkv's block_n: rotary columns per half a program (0: the whole half)
+    "qkv": dict(bn=[0, 16], bk=[256, 1024], warps=[4, 8], stages=[1]),
     "gate_up": dict(bn=[16, 32], bk=[128, 256, 1024], warps=[4, 8], stages=[1, 3]),
     "o": dict(bn=[16, 32], bk=[128, 256, 1024], warps=[4, 8], stages=[1, 3]),
-    "down": dict(bn=[16, 32], bk=[128, 256, 512], warps=[4, 8], stages=[1, 3]),
+    "down": dict(bn=[16, 32], bk=[256, 512, 2048], warps=[4, 8], stages=[1, 3]),
     # attention (ddserve.engine.attention_triton.launch): bn = key splits, bk = BLOCK_N
-    "attn": dict(bn=[1, 2, 4], bk=[32, 64, 128], warps=[2, 4], stages=[1, 2]),
+    "attn": dict(bn=[1, 2, 4], bk=[32, 64], warps=[4], stages=[1]),
 }
 
 
@@ -119,7 +121,8 @@ class Layers:
                 a = self.attn
                 launch(
                     self.q, kc, vc, self.rows, a.past, a.tree, None, 1, TREE, 512, splits,
-                    block_n=bn, num_warps=warps, num_stages=stages,
+                    pdl=lt.pdl_on(self.q.device), block_n=bn, num_warps=warps,
+                    num_stages=stages,
                 )  # fmt: skip
 
         return {"qkv": qkv, "gate_up": gate_up, "o": o, "down": down, "attn": attn}[name]
@@ -136,7 +139,7 @@ class Layers:
 @torch.inference_mode()
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--rows", default="1,64")
+    ap.add_argument("--rows", default="1,16,32,64")
     ap.add_argument("--layers", type=int, default=30)
     ap.add_argument("--name", default="layer_kernels")
     ap.add_argument("--out", default="bench/results")
@@ -144,7 +147,13 @@ def main() -> int:
     a = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("ddserve.bench.layer_kernels times GPU kernels: it needs a GPU")
-    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": {}}
+    result = {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "pdl": lt.pdl_on(torch.device("cuda")),  # and the prefetches, as the engine runs
+        "command": "python -m ddserve.bench.layer_kernels " + " ".join(sys.argv[1:]),
+        "rows": {},
+    }
     compiled = compile_layer_step()
     for rows in (int(r) for r in a.rows.split(",")):
         bm = lt._block_m(rows)
@@ -154,8 +163,8 @@ def main() -> int:
         for name, grid in GRID.items():
             timings = []
             for bn, bk, warps, stages in itertools.product(*grid.values()):
-                if bm == 64 and bk > 256:  # the x tile would not fit in registers
-                    continue
+                if bm == 64 and bk > 256 and name != "attn":
+                    continue  # the x tile would not fit in registers
                 params = (bn, bk, warps, stages)
                 if name != "attn":  # a layer kernel: read from TUNE at launch
                     lt.TUNE[(name, bm)] = params
@@ -185,12 +194,37 @@ def main() -> int:
         per_layer["fused_defaults"] = graph_ms(L.layers(lt.fused_layer_step)) / a.layers * 1e3
         lt.TUNE.update({(k, bm): v for k, v in best.items() if k != "attn"})
         per_layer["fused_best"] = graph_ms(L.layers(lt.fused_layer_step)) / a.layers * 1e3
+        lt.PDL = False  # the same kernels without programmatic dependent launch, then also
+        per_layer["fused_best_nopdl"] = graph_ms(L.layers(lt.fused_layer_step)) / a.layers * 1e3
+        lt.PREFETCH = False  # without the L2 prefetches
+        per_layer["fused_best_plain"] = graph_ms(L.layers(lt.fused_layer_step)) / a.layers * 1e3
+        lt.PDL = lt.PREFETCH = None
         lt.TUNE.clear()
         res["best"] = {k: list(v) for k, v in best.items()}
         res["layer_us"] = {k: round(v, 2) for k, v in per_layer.items()}
         print(f"rows {rows}: best {best}; per layer (us) {res['layer_us']}", flush=True)
         save(result, a)
     return 0
+
+
+def apply_tune(paths: str) -> dict:
+    """The best launch parameters of runs of this bench (their JSONs, a comma list) into
+    layer_triton.TUNE, per row block, and layer_triton.FUSED_MAX_ROWS raised to the most rows
+    at which their fused layer beat the compiled one (with every fewer measured row count
+    also won). Returns what it set."""
+    res = {}
+    for path in paths.split(","):
+        res.update(json.loads(Path(path).read_text())["rows"])
+    for r in res.values():
+        for k, v in r.get("best", {}).items():
+            if k != "attn":  # the attention kernel keeps its own parameters
+                lt.TUNE[(k, r["block_m"])] = tuple(v)
+    for rows in sorted(res, key=int):
+        us = res[rows].get("layer_us", {})
+        if not us or us["fused_best"] >= us["compile"]:
+            break
+        lt.FUSED_MAX_ROWS = max(lt.FUSED_MAX_ROWS, int(rows))
+    return {"tune": {str(k): v for k, v in lt.TUNE.items()}, "fused_max_rows": lt.FUSED_MAX_ROWS}
 
 
 def save(result: dict, a) -> None:

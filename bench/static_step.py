@@ -7,7 +7,9 @@ replay time, host time around it, kernels per step, and the floors.
 
 For each mode (eager: no graph; graph: CUDA graph of the eager kernels; compile: CUDA graph
 of the torch.compile'd layers; fused: CUDA graph of the fused triton layers of
-ddserve.engine.layer_triton, compiled layers above its row limit) and (B, W): the GPU time of one step (CUDA events over 50
+ddserve.engine.layer_triton, compiled layers above its row limit; fused-nopdl: the same
+without programmatic dependent launch; fused-plain: without it and the L2 prefetches) and
+(B, W): the GPU time of one step (CUDA events over 50
 replays), the full call as the engine makes it (pack inputs, copy, replay, read argmax back),
 the kernels one step launches (profiler, eager/compiled run), and the floor: weights + the
 KV entries attended, read once at the measured copy bandwidth. With several --context values
@@ -137,7 +139,7 @@ def main() -> None:
     ap.add_argument("--modes", default="eager,graph,compile")
     ap.add_argument("--attention", default="sdpa", help="comma list: sdpa, triton")
     ap.add_argument("--prefill", default="", help="prompt lengths to time a prefill of")
-    ap.add_argument("--fused-tune", help="layer_kernels JSON: its best launch parameters")
+    ap.add_argument("--fused-tune", help="layer_kernels JSONs (comma list): their best parameters")
     ap.add_argument("--name", default="static_step")
     ap.add_argument("--out", default="bench/results")
     a = ap.parse_args()
@@ -169,16 +171,20 @@ def main() -> None:
     prefills = [int(x) for x in a.prefill.split(",") if x]
     longest = max(contexts + prefills) + max(widths)
     for mode in a.modes.split(","):
-        layer_fn = compile_layer_step() if mode in ("compile", "fused") else layer_step
-        if mode == "fused":
+        fused = mode.startswith("fused")
+        layer_fn = compile_layer_step() if mode == "compile" or fused else layer_step
+        if fused:
             from ddserve.engine import layer_triton
 
+            # fused-nopdl: the same kernels without programmatic dependent launch;
+            # fused-plain: without it and without the L2 prefetches
+            layer_triton.PDL = False if mode in ("fused-nopdl", "fused-plain") else None
+            layer_triton.PREFETCH = False if mode == "fused-plain" else None
+
             if a.fused_tune:  # the best launch parameters of a bench.layer_kernels run
-                for res in json.loads(Path(a.fused_tune).read_text())["rows"].values():
-                    for k, v in res.get("best", {}).items():
-                        if k != "attn":  # the attention kernel keeps its own parameters
-                            layer_triton.TUNE[(k, res["block_m"])] = tuple(v)
-                result["fused_tune"] = {str(k): v for k, v in layer_triton.TUNE.items()}
+                from ddserve.bench.layer_kernels import apply_tune
+
+                result["fused_tune"] = apply_tune(a.fused_tune)
             layer_fn = layer_triton.with_fused_layers(layer_fn)
         for attn in a.attention.split(","):
             st = StaticTarget(
@@ -202,7 +208,7 @@ def main() -> None:
                         (out / f"{a.name}.json").write_text(json.dumps(result, indent=1))
             del st
             torch.cuda.empty_cache()
-            if prefills and mode != "fused":  # prefill is wide: never fused
+            if prefills and not fused:  # prefill is wide: never fused
                 result.setdefault("prefill", []).extend(
                     time_prefill(model, mode, attn, prefills, longest)
                 )

@@ -34,7 +34,11 @@ def _attn(
     W, G, KVH, SPLITS, MPAD, LEN, sm_scale,
     HD: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     MODE: tl.constexpr, HAS_WINDOW: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
+    if PDL:  # programmatic dependent launch (ddserve.engine.layer_triton): every input may
+        tl.extra.cuda.gdc_launch_dependents()  # be the previous kernel's output: wait first
+        tl.extra.cuda.gdc_wait()
     pid_bh = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_s = tl.program_id(2)
@@ -146,11 +150,14 @@ def _keys(
 @triton.jit
 def _merge(
     Mp, Lp, Ap, Out, so_n, so_h, W, G, KVH, SPLITS, MPAD,
-    HD: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+    HD: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """One folded query row of one kv head: every split's (m, l, acc) loaded at once (no loop
     over the splits: a loop of dependent loads made this kernel ~12 us a layer at 32 splits
     with the decode's 3 programs, more than the split attention itself, on the H200)."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     pid_bh = tl.program_id(0)
     m_idx = tl.program_id(1)
     b = pid_bh // KVH
@@ -194,11 +201,13 @@ def tuning(mode: int, w: int) -> dict:
 
 
 def launch(
-    q, kc, vc, rows, past, tree, window, w: int, mode: int, ctx: int = 0, splits=None, **tune
-):
+    q, kc, vc, rows, past, tree, window, w: int, mode: int, ctx: int = 0, splits=None,
+    pdl: bool = False, **tune
+):  # fmt: skip
     """q [B*W, nh, hd] -> out [B*W, nh, hd]. See the module docstring. `ctx`: no row has more
-    keys (0: the pool's length). `tune` (benchmarks): block_m, block_n, num_warps, num_stages,
-    fill (programs per multiprocessor to aim at)."""
+    keys (0: the pool's length). `pdl`: launched as a link of ddserve.engine.layer_triton's
+    programmatic-dependent-launch chain (Hopper). `tune` (benchmarks): block_m, block_n,
+    num_warps, num_stages, fill (programs per multiprocessor to aim at)."""
     tune = {**tuning(mode, w), **tune}
     n, nh, hd = q.shape
     kvh = kc.shape[1]
@@ -223,6 +232,7 @@ def launch(
     tree_t = tree if tree is not None else past  # unused unless MODE == TREE
     win = window if window is not None else past
     mpad = mblocks * block_m
+    pdl_launch = {"launch_pdl": True} if pdl else {}
     if splits > 1:
         mp = torch.empty(b * kvh * splits * mpad, device=q.device, dtype=torch.float32)
         lp = torch.empty_like(mp)
@@ -235,13 +245,13 @@ def launch(
         out.stride(0), out.stride(1),
         w, g, kvh, splits, mpad, kc.shape[2], 1.0 / math.sqrt(hd),
         HD=hd, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n,
-        MODE=mode, HAS_WINDOW=window is not None, SPLIT=splits > 1, IEEE=ieee,
-        **{k: tune[k] for k in ("num_warps", "num_stages") if k in tune},
+        MODE=mode, HAS_WINDOW=window is not None, SPLIT=splits > 1, IEEE=ieee, PDL=pdl,
+        **{k: tune[k] for k in ("num_warps", "num_stages") if k in tune}, **pdl_launch,
     )  # fmt: skip
     if splits > 1:
         _merge[(b * kvh, rows_g)](
             mp, lp, ap, out, out.stride(0), out.stride(1), w, g, kvh, splits, mpad,
-            HD=hd, BLOCK_D=block_d, BLOCK_S=triton.next_power_of_2(splits),
+            HD=hd, BLOCK_D=block_d, BLOCK_S=triton.next_power_of_2(splits), PDL=pdl, **pdl_launch,
         )  # fmt: skip
     return out
 

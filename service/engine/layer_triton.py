@@ -7,7 +7,8 @@ kernels of 1-10 us (norms, four GEMMs, RoPE, cache writes, layout copies, SiLU x
 
     qkv_rope      h = RMSNorm(x); [q;k;v] = h @ Wqkv^T (+ bias); RoPE on q and k; k and v
                   written into the KV pool at each token's write position; q out
-                  (a program per head: its two rotary halves are two accumulators)
+                  (a program per head, or per column block of its two rotary halves:
+                  two accumulators)
     attention     ddserve.engine.attention (the triton kernel, or the sdpa reference)
     matmul_add    x + att @ Wo^T                    (the residual in the epilogue)
     gate_up       h = RMSNorm(x); silu(h @ Wg^T) * (h @ Wu^T)
@@ -22,9 +23,17 @@ rounded to the model's dtype where the reference (ddserve.engine.static.layer_st
 them (after each projection, RoPE's products and sum, SiLU, gate x up, the residual adds);
 in fp32 the two agree to accumulation order, in bf16 also the norm rounds at another point.
 The reference stays the tests' oracle and the path for wide forwards (prefill chunks).
+
+On Hopper the chain of a step's kernels overlaps (PDL and PREFETCH below): each kernel lets
+the next one launch as it starts; the next one has its weight rows prefetched into L2, then
+waits for its predecessor before it touches an activation, the pool or its outputs. Only
+weights are read before that wait, so the results are those of serial launches, bit for bit
+(tests/engine/test_layer_triton.py checks it on the GPU).
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
@@ -48,10 +57,49 @@ def _x_chunk(X, sx, G, m, m_ok, k, H):
 
 
 @triton.jit
+def _rows(Wt, n, n_ok, sw, k, K):
+    """Rows n, columns k of Wt [N, K] (zeros outside)."""
+    return tl.load(
+        Wt + n[:, None] * sw + k[None, :], mask=n_ok[:, None] & (k < K)[None, :], other=0.0
+    )
+
+
+@triton.jit
 def _dot(a, b, IEEE: tl.constexpr):
     if IEEE:
         return tl.dot(a, b, input_precision="ieee")
     return tl.dot(a, b)
+
+
+@triton.jit
+def _launch_next(PDL: tl.constexpr):
+    """Programmatic dependent launch: let the next kernel's programs start (they load their
+    weights, then wait for this kernel to finish)."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def _prefetch_l2(rows, NBYTES: tl.constexpr):
+    """Each of `rows` (pointers, 16-byte aligned) and the NBYTES after it (a multiple of 16)
+    into L2: one bulk prefetch per row (Hopper's cp.async.bulk.prefetch; no registers held,
+    nothing waited for), so the K loop's loads after the wait find their weights in L2."""
+    tl.inline_asm_elementwise(
+        "cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0;",
+        "=r,l,r",
+        [rows, tl.full(rows.shape, NBYTES, tl.int32)],
+        dtype=tl.int32,
+        is_pure=False,
+        pack=1,
+    )
+
+
+@triton.jit
+def _wait_prev(PDL: tl.constexpr):
+    """Wait until the previous kernel has finished and its writes are visible. Every program
+    launched with PDL calls it before it reads or writes anything but weights."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
 
 
 @triton.jit
@@ -60,27 +108,33 @@ def _qkv_rope(
     M, H, W, NH, KVH, eps,
     sx, sw, sc, sq_n, sq_h, sk_s, sk_h, sk_l,
     HD: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    PREFETCH: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
-    pid_h = tl.program_id(0)  # heads: q 0..NH-1, k NH..NH+KVH-1, v after
-    pid_m = tl.program_id(1)
     HALF: tl.constexpr = HD // 2
+    BLOCKS: tl.constexpr = HALF // BLOCK_N  # column blocks per rotary half
+    pid = tl.program_id(0)  # (head, column block); heads: q 0..NH-1, k NH..NH+KVH-1, v after
+    pid_m = tl.program_id(1)
+    head = pid // BLOCKS
+    j = (pid % BLOCKS) * BLOCK_N + tl.arange(0, BLOCK_N)  # columns of the first rotary half
+    col = head * HD + j  # ... in Wqkv; the second half's are col + HALF
+    all_n = j < HALF
+    _launch_next(PDL)
+    if PREFETCH > 0:  # the program's weight rows into L2 while the previous kernel runs
+        _prefetch_l2(Wqkv + col * sw, PREFETCH)
+        _prefetch_l2(Wqkv + (col + HALF) * sw, PREFETCH)
+    _wait_prev(PDL)
     m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     m_ok = m < M
-    j = tl.arange(0, HALF)
-    col = pid_h * HD + j  # the head's first rotary half; the second is col + HALF
-    lo = tl.zeros([BLOCK_M, HALF], tl.float32)
-    hi = tl.zeros([BLOCK_M, HALF], tl.float32)
+    lo = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    hi = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     ss = tl.zeros([BLOCK_M], tl.float32)
     for k0 in range(0, H, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         h, sq = _x_chunk(X, sx, NW, m, m_ok, k, H)
         ss += sq
-        k_ok = (k < H)[None, :]
-        w_lo = tl.load(Wqkv + col[:, None] * sw + k[None, :], mask=k_ok, other=0.0)
-        w_hi = tl.load(Wqkv + (col + HALF)[:, None] * sw + k[None, :], mask=k_ok, other=0.0)
-        lo += _dot(h, tl.trans(w_lo), IEEE)
-        hi += _dot(h, tl.trans(w_hi), IEEE)
+        lo += _dot(h, tl.trans(_rows(Wqkv, col, all_n, sw, k, H)), IEEE)
+        hi += _dot(h, tl.trans(_rows(Wqkv, col + HALF, all_n, sw, k, H)), IEEE)
     rstd = (1.0 / tl.sqrt(ss / H + eps))[:, None]
     lo = lo * rstd
     hi = hi * rstd
@@ -90,7 +144,7 @@ def _qkv_rope(
     if HAS_BIAS:
         lo = (lo + tl.load(Bias + col)[None, :]).to(dt)
         hi = (hi + tl.load(Bias + col + HALF)[None, :]).to(dt)
-    if pid_h < NH + KVH:  # RoPE: [lo, hi] * cos + [-hi, lo] * sin
+    if head < NH + KVH:  # RoPE: [lo, hi] * cos + [-hi, lo] * sin
         cs = Cos + m[:, None] * sc + j[None, :]
         sn = Sin + m[:, None] * sc + j[None, :]
         c_lo = tl.load(cs, mask=m_ok[:, None], other=0.0)
@@ -101,15 +155,15 @@ def _qkv_rope(
             ((lo * c_lo).to(dt) - (hi * s_lo).to(dt)).to(dt),
             ((hi * c_hi).to(dt) + (lo * s_hi).to(dt)).to(dt),
         )
-    if pid_h < NH:
-        at = Q + m[:, None] * sq_n + pid_h * sq_h + j[None, :]
+    if head < NH:
+        at = Q + m[:, None] * sq_n + head * sq_h + j[None, :]
         tl.store(at, lo, mask=m_ok[:, None])
         tl.store(at + HALF, hi, mask=m_ok[:, None])
     else:  # k or v of kv head `kh`: into the pool at (slot of the row, write position)
         slot = tl.load(Rows + m // W, mask=m_ok, other=0)
         pos = tl.load(Wpos + m, mask=m_ok, other=0)
-        is_k = pid_h < NH + KVH
-        kh = tl.where(is_k, pid_h - NH, pid_h - NH - KVH)
+        is_k = head < NH + KVH
+        kh = tl.where(is_k, head - NH, head - NH - KVH)
         off = slot[:, None] * sk_s + kh * sk_h + pos[:, None] * sk_l + j[None, :]
         if is_k:
             tl.store(KC + off, lo, mask=m_ok[:, None])
@@ -123,13 +177,20 @@ def _qkv_rope(
 def _gate_up(
     X, NW, Wgu, Out, M, H, INTER, eps, sx, sw, so,
     IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    PREFETCH: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
-    m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    m_ok = m < M
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < INTER
+    _launch_next(PDL)
+    if PREFETCH > 0:
+        n_in = tl.minimum(n, INTER - 1)  # an edge block's rows past the end: its last row
+        _prefetch_l2(Wgu + n_in * sw, PREFETCH)
+        _prefetch_l2(Wgu + (n_in + INTER) * sw, PREFETCH)
+    _wait_prev(PDL)
+    m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_ok = m < M
     g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     ss = tl.zeros([BLOCK_M], tl.float32)
@@ -137,11 +198,8 @@ def _gate_up(
         k = k0 + tl.arange(0, BLOCK_K)
         h, sq = _x_chunk(X, sx, NW, m, m_ok, k, H)
         ss += sq
-        wmask = n_ok[:, None] & (k < H)[None, :]
-        w_g = tl.load(Wgu + n[:, None] * sw + k[None, :], mask=wmask, other=0.0)
-        w_u = tl.load(Wgu + (n + INTER)[:, None] * sw + k[None, :], mask=wmask, other=0.0)
-        g += _dot(h, tl.trans(w_g), IEEE)
-        u += _dot(h, tl.trans(w_u), IEEE)
+        g += _dot(h, tl.trans(_rows(Wgu, n, n_ok, sw, k, H)), IEEE)
+        u += _dot(h, tl.trans(_rows(Wgu, n + INTER, n_ok, sw, k, H)), IEEE)
     rstd = (1.0 / tl.sqrt(ss / H + eps))[:, None]
     g = g * rstd
     u = u * rstd
@@ -155,23 +213,23 @@ def _gate_up(
 def _matmul_add(
     A, Wt, R, Out, M, N, K, sa, sw, sr, so,
     IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    PREFETCH: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """Out = R + A @ Wt^T  (A [M, K], Wt [N, K], R/Out [M, N])."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
-    m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    m_ok = m < M
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
+    _launch_next(PDL)
+    if PREFETCH > 0:
+        _prefetch_l2(Wt + tl.minimum(n, N - 1) * sw, PREFETCH)
+    _wait_prev(PDL)
+    m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_ok = m < M
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
-        k_ok = k < K
-        a = tl.load(A + m[:, None] * sa + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        w = tl.load(
-            Wt + n[:, None] * sw + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0
-        )
-        acc += _dot(a, tl.trans(w), IEEE)
+        acc += _dot(_rows(A, m, m_ok, sa, k, K), tl.trans(_rows(Wt, n, n_ok, sw, k, K)), IEEE)
     ok = m_ok[:, None] & n_ok[None, :]
     r = tl.load(R + m[:, None] * sr + n[None, :], mask=ok, other=0.0)
     dt = Out.dtype.element_ty
@@ -183,8 +241,8 @@ def _block_m(m: int) -> int:
 
 
 # Launch parameters per kernel and row block: (block_n, block_k, num_warps, num_stages);
-# block_n is the head's for qkv. Measured per kernel on the H200 with
-# `python -m ddserve.bench.layer_kernels` (SmolLM2's shapes); TUNE overrides (benchmarks).
+# qkv's block_n is the rotary columns per half a program takes (0: the whole half).
+# Measured per kernel on the H200 with `python -m ddserve.bench.layer_kernels` (SmolLM2's shapes); TUNE overrides (benchmarks).
 DEFAULTS = {
     ("qkv", 16): (0, 256, 4, 1),
     ("gate_up", 16): (16, 128, 4, 3),
@@ -197,6 +255,15 @@ DEFAULTS = {
 }
 TUNE: dict[tuple[str, int], tuple[int, int, int, int]] = {}
 
+# Hopper and later. PDL, programmatic dependent launch: each kernel lets the next one start
+# as it starts, and the next one waits for it only before it reads activations, so a chain
+# of small kernels overlaps its launches. PREFETCH: a program first has its weight rows
+# prefetched into L2 (all of them at once, before that wait), so its K loop waits on L2,
+# not on memory. None: wherever they run (CUDA, compute capability >= 9); True / False:
+# benchmarks' side-by-side switches.
+PDL: bool | None = None
+PREFETCH: bool | None = None
+
 
 def launch_params(kernel: str, bm: int) -> tuple[int, int, int, int]:
     """(block_n, block_k, num_warps, num_stages) of `kernel` at row block `bm`: TUNE's, else
@@ -204,6 +271,32 @@ def launch_params(kernel: str, bm: int) -> tuple[int, int, int, int]:
     if (kernel, bm) in TUNE:
         return TUNE[(kernel, bm)]
     return DEFAULTS[(kernel, 16 if bm <= 16 else 64)]
+
+
+def pdl_on(device: torch.device) -> bool:
+    return PDL if PDL is not None else _hopper(device)
+
+
+@functools.cache
+def _hopper(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def _prefetch_bytes(w: torch.Tensor) -> int:
+    """The bytes of each of w's rows to prefetch into L2 (0: none): a row, where every row
+    starts 16-byte aligned (the bulk prefetch's rule), rounded down to 16 bytes."""
+    on = PREFETCH if PREFETCH is not None else _hopper(w.device)
+    row = w.stride(0) * w.element_size()
+    if not on or w.stride(1) != 1 or w.data_ptr() % 16 or row % 16:
+        return 0
+    return w.shape[1] * w.element_size() // 16 * 16
+
+
+def _launch(kernel, grid, *args, pdl: bool, **meta) -> None:
+    """`kernel[grid](*args, **meta)`, with PDL=pdl (and launched with it)."""
+    if pdl:
+        meta["launch_pdl"] = True
+    kernel[grid](*args, PDL=pdl, **meta)
 
 
 def qkv_rope(block, x, cos, sin, kc, vc, rows, wpos) -> torch.Tensor:
@@ -214,18 +307,21 @@ def qkv_rope(block, x, cos, sin, kc, vc, rows, wpos) -> torch.Tensor:
     nh, kvh, hd = c.num_heads, c.num_kv_heads, c.head_dim
     q = torch.empty(m, nh, hd, device=x.device, dtype=x.dtype)
     bm = _block_m(m)
-    _, bk, warps, stages = launch_params("qkv", bm)
+    bn, bk, warps, stages = launch_params("qkv", bm)
+    bn = min(bn or hd // 2, hd // 2)
     w = block.qkv_weight
     bias = block.qkv_bias
     assert kc.stride() == vc.stride() and kc.stride(3) == 1, "K and V pools share one layout"
     norm = block.input_layernorm
-    _qkv_rope[(nh + 2 * kvh, triton.cdiv(m, bm))](
+    _launch(
+        _qkv_rope, ((nh + 2 * kvh) * (hd // 2 // bn), triton.cdiv(m, bm)),
         x, norm.weight, w, bias if bias is not None else w, cos, sin, q, kc, vc, rows, wpos,
         m, h, wpos.shape[1], nh, kvh, norm.eps,
         x.stride(0), w.stride(0), cos.stride(0), q.stride(0), q.stride(1),
         kc.stride(0), kc.stride(1), kc.stride(2),
         HD=hd, HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32,
-        BLOCK_M=bm, BLOCK_K=bk, num_warps=warps, num_stages=stages,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, PREFETCH=_prefetch_bytes(w),
+        num_warps=warps, num_stages=stages, pdl=pdl_on(x.device),
     )  # fmt: skip
     return q
 
@@ -239,10 +335,11 @@ def gate_up(block, x) -> torch.Tensor:
     bm = _block_m(m)
     bn, bk, warps, stages = launch_params("gate_up", bm)
     norm = block.post_attention_layernorm
-    _gate_up[(triton.cdiv(inter, bn), triton.cdiv(m, bm))](
+    _launch(
+        _gate_up, (triton.cdiv(inter, bn), triton.cdiv(m, bm)),
         x, norm.weight, w, out, m, h, inter, norm.eps, x.stride(0), w.stride(0), out.stride(0),
         IEEE=x.dtype == torch.float32, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-        num_warps=warps, num_stages=stages,
+        PREFETCH=_prefetch_bytes(w), num_warps=warps, num_stages=stages, pdl=pdl_on(x.device),
     )  # fmt: skip
     return out
 
@@ -254,12 +351,25 @@ def matmul_add(a, w, r, kernel: str) -> torch.Tensor:
     out = torch.empty(m, n, device=a.device, dtype=a.dtype)
     bm = _block_m(m)
     bn, bk, warps, stages = launch_params(kernel, bm)
-    _matmul_add[(triton.cdiv(n, bn), triton.cdiv(m, bm))](
+    _launch(
+        _matmul_add, (triton.cdiv(n, bn), triton.cdiv(m, bm)),
         a, w, r, out, m, n, k, a.stride(0), w.stride(0), r.stride(0), out.stride(0),
         IEEE=a.dtype == torch.float32, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-        num_warps=warps, num_stages=stages,
+        PREFETCH=_prefetch_bytes(w), num_warps=warps, num_stages=stages, pdl=pdl_on(a.device),
     )  # fmt: skip
     return out
+
+
+def _attend(q, kc, vc, rows, b, w, attn, rows_are_slots) -> torch.Tensor:
+    """The layer's attention; the triton kernel launched in the PDL chain where PDL runs."""
+    if attn.backend == "triton" and pdl_on(q.device):
+        from ddserve.engine.attention_triton import launch
+
+        out = launch(
+            q, kc, vc, rows, attn.past, attn.tree, attn.window, w, attn.mode, attn.ctx, pdl=True
+        )
+        return out.view(q.shape[0], -1)
+    return attend(q, kc, vc, rows, b, w, attn, rows_are_slots)
 
 
 def fused_layer_step(block, x, cos, sin, kc, vc, rows, wpos, attn, rows_are_slots):
@@ -267,7 +377,7 @@ def fused_layer_step(block, x, cos, sin, kc, vc, rows, wpos, attn, rows_are_slot
     order) in four triton kernels plus attention."""
     b, w = wpos.shape
     q = qkv_rope(block, x, cos, sin, kc, vc, rows, wpos)
-    att = attend(q, kc, vc, rows, b, w, attn, rows_are_slots)
+    att = _attend(q, kc, vc, rows, b, w, attn, rows_are_slots)
     x = matmul_add(att, block.o_proj.weight, x, "o")
     return matmul_add(gate_up(block, x), block.down_proj.weight, x, "down")
 
