@@ -24,6 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ddserve.engine.triton_hopper import launch_kwargs, launch_next, prefetch_l2, wait_prev
+
 NEG = tl.constexpr(-1.0e30)  # a finite -inf: an empty split or row stays NaN-free
 
 
@@ -34,11 +36,12 @@ def _attn(
     W, G, KVH, SPLITS, MPAD, LEN, sm_scale,
     HD: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     MODE: tl.constexpr, HAS_WINDOW: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr,
-    PDL: tl.constexpr,
+    PDL: tl.constexpr, PREFETCH: tl.constexpr,
 ):  # fmt: skip
-    if PDL:  # programmatic dependent launch (ddserve.engine.layer_triton): every input may
-        tl.extra.cuda.gdc_launch_dependents()  # be the previous kernel's output: wait first
-        tl.extra.cuda.gdc_wait()
+    # PDL (ddserve.engine.triton_hopper): before the wait only what was made before the
+    # forward's first layer (Rows, Past, Window) and the committed keys (no layer writes
+    # them) are read; q and this forward's keys come from the kernels just before
+    launch_next(PDL)
     pid_bh = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_s = tl.program_id(2)
@@ -52,11 +55,6 @@ def _attn(
     head = kh * G + m_idx % G
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HD
-    q = tl.load(
-        Q + (b * W + t)[:, None] * sq_n + head[:, None] * sq_h + d[None, :],
-        mask=m_ok[:, None] & d_ok[None, :],
-        other=0.0,
-    )
     # the keys any row of this block may see: [lo, hi)
     if MODE == 1:  # CAUSAL: up to the block's last token
         t_last = tl.minimum((pid_m * BLOCK_M + BLOCK_M - 1) // G, W - 1)
@@ -71,12 +69,24 @@ def _attn(
     s_lo = lo + pid_s * per
     s_hi = tl.minimum(s_lo + per, hi)
     base = slot * sk_s + kh * sk_h
+    mid = tl.maximum(s_lo, tl.minimum(s_hi, past))
+    if PREFETCH > 0:  # the split's committed keys and values (rows of HD) into L2: the first
+        n_pf = tl.minimum(mid - s_lo, PREFETCH)  # PREFETCH of them
+        if n_pf > 0:
+            nbytes = (n_pf * HD * K.dtype.element_ty.primitive_bitwidth // 8).to(tl.int32)
+            prefetch_l2(K + base + s_lo * sk_l, nbytes)
+            prefetch_l2(V + base + s_lo * sk_l, nbytes)
+    wait_prev(PDL)
+    q = tl.load(
+        Q + (b * W + t)[:, None] * sq_n + head[:, None] * sq_h + d[None, :],
+        mask=m_ok[:, None] & d_ok[None, :],
+        other=0.0,
+    )
     m_i = tl.full([BLOCK_M], NEG, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     # committed keys first: every row sees them all (no mask but the range), then the new ones
     # under the mode's mask; the committed loop, most of a long context, loads no mask
-    mid = tl.maximum(s_lo, tl.minimum(s_hi, past))
     for start in range(s_lo, mid, BLOCK_N):
         m_i, l_i, acc = _keys(
             q, K + base, V + base, Tree, start, mid, past, b, t, m_ok, d, d_ok, sk_l, W, m_i,
@@ -155,9 +165,8 @@ def _merge(
     """One folded query row of one kv head: every split's (m, l, acc) loaded at once (no loop
     over the splits: a loop of dependent loads made this kernel ~12 us a layer at 32 splits
     with the decode's 3 programs, more than the split attention itself, on the H200)."""
-    if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
+    launch_next(PDL)
+    wait_prev(PDL)
     pid_bh = tl.program_id(0)
     m_idx = tl.program_id(1)
     b = pid_bh // KVH
@@ -194,6 +203,11 @@ def multiprocessors(device: torch.device) -> int:
 WIDE = 1024
 WIDE_TUNE = {"block_m": 128, "block_n": 32, "num_warps": 8, "num_stages": 3}
 
+# keys (and their values) a program prefetches into L2 before its wait (launch's `prefetch`):
+# all of a short context's, and only a bounded start of each split of a long one, so that a
+# wide batch's prefetches do not evict one another from the H200's 60 MB of L2
+PREFETCH_KEYS = 512
+
 
 def tuning(mode: int, w: int) -> dict:
     """The launch parameters of a forward's shape (empty: the decode-shaped defaults)."""
@@ -202,11 +216,13 @@ def tuning(mode: int, w: int) -> dict:
 
 def launch(
     q, kc, vc, rows, past, tree, window, w: int, mode: int, ctx: int = 0, splits=None,
-    pdl: bool = False, **tune
+    pdl: bool = False, prefetch: bool = False, **tune
 ):  # fmt: skip
     """q [B*W, nh, hd] -> out [B*W, nh, hd]. See the module docstring. `ctx`: no row has more
     keys (0: the pool's length). `pdl`: launched as a link of ddserve.engine.layer_triton's
-    programmatic-dependent-launch chain (Hopper). `tune` (benchmarks): block_m, block_n,
+    programmatic-dependent-launch chain (Hopper; rows, past and window must have been made
+    before the forward's first layer). `prefetch`: each program's first PREFETCH_KEYS
+    committed keys and values into L2 first (Hopper). `tune` (benchmarks): block_m, block_n,
     num_warps, num_stages, fill (programs per multiprocessor to aim at)."""
     tune = {**tuning(mode, w), **tune}
     n, nh, hd = q.shape
@@ -232,7 +248,12 @@ def launch(
     tree_t = tree if tree is not None else past  # unused unless MODE == TREE
     win = window if window is not None else past
     mpad = mblocks * block_m
-    pdl_launch = {"launch_pdl": True} if pdl else {}
+    pdl_launch = launch_kwargs(pdl)
+    # prefetched key ranges are contiguous rows starting 16-byte aligned
+    aligned = kc.stride(2) == hd and all(
+        (s * kc.element_size()) % 16 == 0 for s in (kc.stride(0), kc.stride(1), kc.stride(2))
+    )
+    aligned = aligned and kc.data_ptr() % 16 == 0 and vc.data_ptr() % 16 == 0
     if splits > 1:
         mp = torch.empty(b * kvh * splits * mpad, device=q.device, dtype=torch.float32)
         lp = torch.empty_like(mp)
@@ -246,6 +267,7 @@ def launch(
         w, g, kvh, splits, mpad, kc.shape[2], 1.0 / math.sqrt(hd),
         HD=hd, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n,
         MODE=mode, HAS_WINDOW=window is not None, SPLIT=splits > 1, IEEE=ieee, PDL=pdl,
+        PREFETCH=PREFETCH_KEYS if prefetch and aligned else 0,
         **{k: tune[k] for k in ("num_warps", "num_stages") if k in tune}, **pdl_launch,
     )  # fmt: skip
     if splits > 1:

@@ -33,13 +33,12 @@ weights are read before that wait, so the results are those of serial launches, 
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
 from ddserve.engine.attention import attend
+from ddserve.engine.triton_hopper import hopper, launch_kwargs, launch_next, prefetch_l2, wait_prev
 
 # wider forwards go through torch: measured on the H200 (bench/NOTES.md), the fused layer
 # wins up to 16 rows (32.8 vs 34.8 us per layer at 1 row) and ties at 64 (41.8 vs 41.6)
@@ -72,37 +71,6 @@ def _dot(a, b, IEEE: tl.constexpr):
 
 
 @triton.jit
-def _launch_next(PDL: tl.constexpr):
-    """Programmatic dependent launch: let the next kernel's programs start (they load their
-    weights, then wait for this kernel to finish)."""
-    if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
-
-
-@triton.jit
-def _prefetch_l2(rows, NBYTES: tl.constexpr):
-    """Each of `rows` (pointers, 16-byte aligned) and the NBYTES after it (a multiple of 16)
-    into L2: one bulk prefetch per row (Hopper's cp.async.bulk.prefetch; no registers held,
-    nothing waited for), so the K loop's loads after the wait find their weights in L2."""
-    tl.inline_asm_elementwise(
-        "cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0;",
-        "=r,l,r",
-        [rows, tl.full(rows.shape, NBYTES, tl.int32)],
-        dtype=tl.int32,
-        is_pure=False,
-        pack=1,
-    )
-
-
-@triton.jit
-def _wait_prev(PDL: tl.constexpr):
-    """Wait until the previous kernel has finished and its writes are visible. Every program
-    launched with PDL calls it before it reads or writes anything but weights."""
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-
-
-@triton.jit
 def _qkv_rope(
     X, NW, Wqkv, Bias, Cos, Sin, Q, KC, VC, Rows, Wpos,
     M, H, W, NH, KVH, eps,
@@ -119,11 +87,12 @@ def _qkv_rope(
     j = (pid % BLOCKS) * BLOCK_N + tl.arange(0, BLOCK_N)  # columns of the first rotary half
     col = head * HD + j  # ... in Wqkv; the second half's are col + HALF
     all_n = j < HALF
-    _launch_next(PDL)
+    launch_next(PDL)
     if PREFETCH > 0:  # the program's weight rows into L2 while the previous kernel runs
-        _prefetch_l2(Wqkv + col * sw, PREFETCH)
-        _prefetch_l2(Wqkv + (col + HALF) * sw, PREFETCH)
-    _wait_prev(PDL)
+        nbytes = tl.full([BLOCK_N], PREFETCH, tl.int32)
+        prefetch_l2(Wqkv + col * sw, nbytes)
+        prefetch_l2(Wqkv + (col + HALF) * sw, nbytes)
+    wait_prev(PDL)
     m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     m_ok = m < M
     lo = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
@@ -183,12 +152,13 @@ def _gate_up(
     pid_m = tl.program_id(1)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < INTER
-    _launch_next(PDL)
+    launch_next(PDL)
     if PREFETCH > 0:
         n_in = tl.minimum(n, INTER - 1)  # an edge block's rows past the end: its last row
-        _prefetch_l2(Wgu + n_in * sw, PREFETCH)
-        _prefetch_l2(Wgu + (n_in + INTER) * sw, PREFETCH)
-    _wait_prev(PDL)
+        nbytes = tl.full([BLOCK_N], PREFETCH, tl.int32)
+        prefetch_l2(Wgu + n_in * sw, nbytes)
+        prefetch_l2(Wgu + (n_in + INTER) * sw, nbytes)
+    wait_prev(PDL)
     m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     m_ok = m < M
     g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
@@ -220,10 +190,10 @@ def _matmul_add(
     pid_m = tl.program_id(1)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
-    _launch_next(PDL)
+    launch_next(PDL)
     if PREFETCH > 0:
-        _prefetch_l2(Wt + tl.minimum(n, N - 1) * sw, PREFETCH)
-    _wait_prev(PDL)
+        prefetch_l2(Wt + tl.minimum(n, N - 1) * sw, tl.full([BLOCK_N], PREFETCH, tl.int32))
+    wait_prev(PDL)
     m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     m_ok = m < M
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
@@ -274,29 +244,25 @@ def launch_params(kernel: str, bm: int) -> tuple[int, int, int, int]:
 
 
 def pdl_on(device: torch.device) -> bool:
-    return PDL if PDL is not None else _hopper(device)
+    return PDL if PDL is not None else hopper(device)
 
 
-@functools.cache
-def _hopper(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+def prefetch_on(device: torch.device) -> bool:
+    return PREFETCH if PREFETCH is not None else hopper(device)
 
 
 def _prefetch_bytes(w: torch.Tensor) -> int:
     """The bytes of each of w's rows to prefetch into L2 (0: none): a row, where every row
     starts 16-byte aligned (the bulk prefetch's rule), rounded down to 16 bytes."""
-    on = PREFETCH if PREFETCH is not None else _hopper(w.device)
     row = w.stride(0) * w.element_size()
-    if not on or w.stride(1) != 1 or w.data_ptr() % 16 or row % 16:
+    if not prefetch_on(w.device) or w.stride(1) != 1 or w.data_ptr() % 16 or row % 16:
         return 0
     return w.shape[1] * w.element_size() // 16 * 16
 
 
 def _launch(kernel, grid, *args, pdl: bool, **meta) -> None:
     """`kernel[grid](*args, **meta)`, with PDL=pdl (and launched with it)."""
-    if pdl:
-        meta["launch_pdl"] = True
-    kernel[grid](*args, PDL=pdl, **meta)
+    kernel[grid](*args, PDL=pdl, **meta, **launch_kwargs(pdl))
 
 
 def qkv_rope(block, x, cos, sin, kc, vc, rows, wpos) -> torch.Tensor:
@@ -361,13 +327,16 @@ def matmul_add(a, w, r, kernel: str) -> torch.Tensor:
 
 
 def _attend(q, kc, vc, rows, b, w, attn, rows_are_slots) -> torch.Tensor:
-    """The layer's attention; the triton kernel launched in the PDL chain where PDL runs."""
-    if attn.backend == "triton" and pdl_on(q.device):
+    """The layer's attention; the triton kernel as a link of the PDL chain, and prefetching
+    its committed keys, where those run."""
+    pdl, prefetch = pdl_on(q.device), prefetch_on(q.device)
+    if attn.backend == "triton" and (pdl or prefetch):
         from ddserve.engine.attention_triton import launch
 
         out = launch(
-            q, kc, vc, rows, attn.past, attn.tree, attn.window, w, attn.mode, attn.ctx, pdl=True
-        )
+            q, kc, vc, rows, attn.past, attn.tree, attn.window, w, attn.mode, attn.ctx,
+            pdl=pdl, prefetch=prefetch,
+        )  # fmt: skip
         return out.view(q.shape[0], -1)
     return attend(q, kc, vc, rows, b, w, attn, rows_are_slots)
 
