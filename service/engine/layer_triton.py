@@ -92,9 +92,19 @@ def _qkv_rope(
         nbytes = tl.full([BLOCK_N], PREFETCH, tl.int32)
         prefetch_l2(Wqkv + col * sw, nbytes)
         prefetch_l2(Wqkv + (col + HALF) * sw, nbytes)
-    wait_prev(PDL)
     m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     m_ok = m < M
+    # the forward's inputs (made before its first layer: no kernel of the chain writes them)
+    # before the wait: RoPE's cos/sin, and each row's slot and write position
+    cs = Cos + m[:, None] * sc + j[None, :]
+    sn = Sin + m[:, None] * sc + j[None, :]
+    c_lo = tl.load(cs, mask=m_ok[:, None], other=0.0)
+    c_hi = tl.load(cs + HALF, mask=m_ok[:, None], other=0.0)
+    s_lo = tl.load(sn, mask=m_ok[:, None], other=0.0)
+    s_hi = tl.load(sn + HALF, mask=m_ok[:, None], other=0.0)
+    slot = tl.load(Rows + m // W, mask=m_ok, other=0)
+    pos = tl.load(Wpos + m, mask=m_ok, other=0)
+    wait_prev(PDL)
     lo = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     hi = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     ss = tl.zeros([BLOCK_M], tl.float32)
@@ -114,12 +124,6 @@ def _qkv_rope(
         lo = (lo + tl.load(Bias + col)[None, :]).to(dt)
         hi = (hi + tl.load(Bias + col + HALF)[None, :]).to(dt)
     if head < NH + KVH:  # RoPE: [lo, hi] * cos + [-hi, lo] * sin
-        cs = Cos + m[:, None] * sc + j[None, :]
-        sn = Sin + m[:, None] * sc + j[None, :]
-        c_lo = tl.load(cs, mask=m_ok[:, None], other=0.0)
-        c_hi = tl.load(cs + HALF, mask=m_ok[:, None], other=0.0)
-        s_lo = tl.load(sn, mask=m_ok[:, None], other=0.0)
-        s_hi = tl.load(sn + HALF, mask=m_ok[:, None], other=0.0)
         lo, hi = (
             ((lo * c_lo).to(dt) - (hi * s_lo).to(dt)).to(dt),
             ((hi * c_hi).to(dt) + (lo * s_hi).to(dt)).to(dt),
@@ -129,8 +133,6 @@ def _qkv_rope(
         tl.store(at, lo, mask=m_ok[:, None])
         tl.store(at + HALF, hi, mask=m_ok[:, None])
     else:  # k or v of kv head `kh`: into the pool at (slot of the row, write position)
-        slot = tl.load(Rows + m // W, mask=m_ok, other=0)
-        pos = tl.load(Wpos + m, mask=m_ok, other=0)
         is_k = head < NH + KVH
         kh = tl.where(is_k, head - NH, head - NH - KVH)
         off = slot[:, None] * sk_s + kh * sk_h + pos[:, None] * sk_l + j[None, :]
@@ -196,12 +198,12 @@ def _matmul_add(
     wait_prev(PDL)
     m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     m_ok = m < M
+    ok = m_ok[:, None] & n_ok[None, :]
+    r = tl.load(R + m[:, None] * sr + n[None, :], mask=ok, other=0.0)  # flies with the loop's
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         acc += _dot(_rows(A, m, m_ok, sa, k, K), tl.trans(_rows(Wt, n, n_ok, sw, k, K)), IEEE)
-    ok = m_ok[:, None] & n_ok[None, :]
-    r = tl.load(R + m[:, None] * sr + n[None, :], mask=ok, other=0.0)
     dt = Out.dtype.element_ty
     tl.store(Out + m[:, None] * so + n[None, :], (r + acc.to(dt)).to(dt), mask=ok)
 
@@ -213,9 +215,9 @@ def _block_m(m: int) -> int:
 # Launch parameters per kernel and row block: (block_n, block_k, num_warps, num_stages);
 # qkv's block_n is the rotary columns per half a program takes (0: the whole half).
 # Measured per kernel on the H200 with `python -m ddserve.bench.layer_kernels` (SmolLM2's shapes); TUNE overrides (benchmarks).
-DEFAULTS = {
-    ("qkv", 16): (0, 256, 4, 1),
-    ("gate_up", 16): (16, 128, 4, 3),
+DEFAULTS = {  # 16 rows: with PDL and the L2 prefetches (results/pdl-h200/lk1.json)
+    ("qkv", 16): (0, 256, 8, 1),
+    ("gate_up", 16): (32, 256, 4, 1),
     ("o", 16): (16, 128, 4, 3),
     ("down", 16): (16, 512, 4, 3),
     ("qkv", 64): (0, 256, 8, 1),
