@@ -235,16 +235,18 @@ def launch(
     mblocks = triton.cdiv(rows_g, block_m)
     if splits is None:
         # split the keys only while B x kvh x query blocks leaves the GPU idle: in long
-        # context classes a split covers at least 256 keys; in short ones (<= 512) only a
-        # tree forward's (decode, verify) grid of at most one program per multiprocessor,
-        # into splits of 64 keys or more. On the H200 (bench.layer_kernels, 256 keys, one
-        # kernel per layer in a chain): 1 row 8.3 -> 4.8 us with 4 splits, 32 rows
-        # 12.8 -> 8.6 (the merge kernel included); prompt chunks keep one kernel there
+        # context classes a split covers at least 256 keys; in short ones (<= 512) only
+        # decode-shaped tree forwards (at most 16 folded query rows a program, at most one
+        # program per multiprocessor), into splits of 64 keys or more. On the H200, 256 keys
+        # (bench.layer_kernels, one attention per layer in a chain, the merge included):
+        # 1 row 8.3 -> 4.8 us a layer with 4 splits, 32 rows (B=32) 12.8 -> 8.6; a verify
+        # step of 16 x 16 rows (48 folded rows a program) went 1.63 -> 1.94 ms split, hence
+        # the row limit (bench/NOTES.md, "Eleventh session")
         ctx = ctx or kc.shape[2]
         programs = b * kvh * mblocks
         if ctx > 512:
             room = ctx // 256
-        elif mode == 0 and programs <= multiprocessors(q.device):
+        elif mode == 0 and rows_g <= 16 and programs <= multiprocessors(q.device):
             room = max(1, ctx // 64)
         else:
             room = 1
