@@ -231,10 +231,14 @@ TUNE: dict[tuple[str, int], tuple[int, int, int, int]] = {}
 # as it starts, and the next one waits for it only before it reads activations, so a chain
 # of small kernels overlaps its launches. PREFETCH: a program first has its weight rows
 # prefetched into L2 (all of them at once, before that wait), so its K loop waits on L2,
-# not on memory. None: wherever they run (CUDA, compute capability >= 9); True / False:
+# not on memory. None: where they run (CUDA, compute capability >= 9) and pay: forwards in
+# context classes up to OVERLAP_MAX_CTX keys (on the H200, bench/NOTES.md "Eleventh
+# session": a verify step at 256 keys 0.93-0.99x of plain launches for 1-4 requests, 0.98-
+# 1.02x for 16; at 4,096 keys 0.92-1.08x, four shapes of six above 1); True / False:
 # benchmarks' side-by-side switches.
 PDL: bool | None = None
 PREFETCH: bool | None = None
+OVERLAP_MAX_CTX = 512
 
 
 def launch_params(kernel: str, bm: int) -> tuple[int, int, int, int]:
@@ -245,19 +249,21 @@ def launch_params(kernel: str, bm: int) -> tuple[int, int, int, int]:
     return DEFAULTS[(kernel, 16 if bm <= 16 else 64)]
 
 
-def pdl_on(device: torch.device) -> bool:
-    return PDL if PDL is not None else hopper(device)
+def pdl_on(device: torch.device, ctx: int = 0) -> bool:
+    """Whether a forward in context class `ctx` (0: short) launches its chain with PDL."""
+    return PDL if PDL is not None else hopper(device) and ctx <= OVERLAP_MAX_CTX
 
 
-def prefetch_on(device: torch.device) -> bool:
-    return PREFETCH if PREFETCH is not None else hopper(device)
+def prefetch_on(device: torch.device, ctx: int = 0) -> bool:
+    """Whether a forward in context class `ctx` (0: short) prefetches weights and keys."""
+    return PREFETCH if PREFETCH is not None else hopper(device) and ctx <= OVERLAP_MAX_CTX
 
 
-def _prefetch_bytes(w: torch.Tensor) -> int:
+def _prefetch_bytes(w: torch.Tensor, ctx: int) -> int:
     """The bytes of each of w's rows to prefetch into L2 (0: none): a row, where every row
     starts 16-byte aligned (the bulk prefetch's rule), rounded down to 16 bytes."""
     row = w.stride(0) * w.element_size()
-    if not prefetch_on(w.device) or w.stride(1) != 1 or w.data_ptr() % 16 or row % 16:
+    if not prefetch_on(w.device, ctx) or w.stride(1) != 1 or w.data_ptr() % 16 or row % 16:
         return 0
     return w.shape[1] * w.element_size() // 16 * 16
 
@@ -267,9 +273,10 @@ def _launch(kernel, grid, *args, pdl: bool, **meta) -> None:
     kernel[grid](*args, PDL=pdl, **meta, **launch_kwargs(pdl))
 
 
-def qkv_rope(block, x, cos, sin, kc, vc, rows, wpos) -> torch.Tensor:
+def qkv_rope(block, x, cos, sin, kc, vc, rows, wpos, ctx: int = 0) -> torch.Tensor:
     """q [M, nh, hd] with RoPE; k, v written into the pools kc/vc [S, kvh, L, hd] at
-    (rows[m // W], wpos[m]). x [M, H]; cos/sin [M, hd]; rows [B]; wpos [B, W]."""
+    (rows[m // W], wpos[m]). x [M, H]; cos/sin [M, hd]; rows [B]; wpos [B, W]. `ctx`: the
+    forward's context class (whether it overlaps: pdl_on)."""
     c = block.cfg
     m, h = x.shape
     nh, kvh, hd = c.num_heads, c.num_kv_heads, c.head_dim
@@ -288,13 +295,13 @@ def qkv_rope(block, x, cos, sin, kc, vc, rows, wpos) -> torch.Tensor:
         x.stride(0), w.stride(0), cos.stride(0), q.stride(0), q.stride(1),
         kc.stride(0), kc.stride(1), kc.stride(2),
         HD=hd, HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32,
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, PREFETCH=_prefetch_bytes(w),
-        num_warps=warps, num_stages=stages, pdl=pdl_on(x.device),
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, PREFETCH=_prefetch_bytes(w, ctx),
+        num_warps=warps, num_stages=stages, pdl=pdl_on(x.device, ctx),
     )  # fmt: skip
     return q
 
 
-def gate_up(block, x) -> torch.Tensor:
+def gate_up(block, x, ctx: int = 0) -> torch.Tensor:
     """silu(h @ Wg^T) * (h @ Wu^T), h = post-attention RMSNorm(x): [M, I]."""
     m, h = x.shape
     w = block.gate_up_weight
@@ -307,12 +314,13 @@ def gate_up(block, x) -> torch.Tensor:
         _gate_up, (triton.cdiv(inter, bn), triton.cdiv(m, bm)),
         x, norm.weight, w, out, m, h, inter, norm.eps, x.stride(0), w.stride(0), out.stride(0),
         IEEE=x.dtype == torch.float32, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-        PREFETCH=_prefetch_bytes(w), num_warps=warps, num_stages=stages, pdl=pdl_on(x.device),
+        PREFETCH=_prefetch_bytes(w, ctx), num_warps=warps, num_stages=stages,
+        pdl=pdl_on(x.device, ctx),
     )  # fmt: skip
     return out
 
 
-def matmul_add(a, w, r, kernel: str) -> torch.Tensor:
+def matmul_add(a, w, r, kernel: str, ctx: int = 0) -> torch.Tensor:
     """r + a @ w^T: a [M, K], w [N, K], r [M, N]; `kernel` names its launch parameters."""
     m, k = a.shape
     n = w.shape[0]
@@ -323,7 +331,8 @@ def matmul_add(a, w, r, kernel: str) -> torch.Tensor:
         _matmul_add, (triton.cdiv(n, bn), triton.cdiv(m, bm)),
         a, w, r, out, m, n, k, a.stride(0), w.stride(0), r.stride(0), out.stride(0),
         IEEE=a.dtype == torch.float32, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-        PREFETCH=_prefetch_bytes(w), num_warps=warps, num_stages=stages, pdl=pdl_on(a.device),
+        PREFETCH=_prefetch_bytes(w, ctx), num_warps=warps, num_stages=stages,
+        pdl=pdl_on(a.device, ctx),
     )  # fmt: skip
     return out
 
@@ -331,7 +340,7 @@ def matmul_add(a, w, r, kernel: str) -> torch.Tensor:
 def _attend(q, kc, vc, rows, b, w, attn, rows_are_slots) -> torch.Tensor:
     """The layer's attention; the triton kernel as a link of the PDL chain, and prefetching
     its committed keys, where those run."""
-    pdl, prefetch = pdl_on(q.device), prefetch_on(q.device)
+    pdl, prefetch = pdl_on(q.device, attn.ctx), prefetch_on(q.device, attn.ctx)
     if attn.backend == "triton" and (pdl or prefetch):
         from ddserve.engine.attention_triton import launch
 
@@ -347,10 +356,11 @@ def fused_layer_step(block, x, cos, sin, kc, vc, rows, wpos, attn, rows_are_slot
     """ddserve.engine.static.layer_step (same arguments, same result up to accumulation
     order) in four triton kernels plus attention."""
     b, w = wpos.shape
-    q = qkv_rope(block, x, cos, sin, kc, vc, rows, wpos)
+    ctx = attn.ctx
+    q = qkv_rope(block, x, cos, sin, kc, vc, rows, wpos, ctx)
     att = _attend(q, kc, vc, rows, b, w, attn, rows_are_slots)
-    x = matmul_add(att, block.o_proj.weight, x, "o")
-    return matmul_add(gate_up(block, x), block.down_proj.weight, x, "down")
+    x = matmul_add(att, block.o_proj.weight, x, "o", ctx)
+    return matmul_add(gate_up(block, x, ctx), block.down_proj.weight, x, "down", ctx)
 
 
 def fusable(cfg) -> bool:
