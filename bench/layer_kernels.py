@@ -194,11 +194,13 @@ def main() -> int:
         per_layer["fused_defaults"] = graph_ms(L.layers(lt.fused_layer_step)) / a.layers * 1e3
         lt.TUNE.update({(k, bm): v for k, v in best.items() if k != "attn"})
         per_layer["fused_best"] = graph_ms(L.layers(lt.fused_layer_step)) / a.layers * 1e3
-        lt.PDL = False  # the same kernels without programmatic dependent launch, then also
-        per_layer["fused_best_nopdl"] = graph_ms(L.layers(lt.fused_layer_step)) / a.layers * 1e3
-        lt.PREFETCH = False  # without the L2 prefetches
-        per_layer["fused_best_plain"] = graph_ms(L.layers(lt.fused_layer_step)) / a.layers * 1e3
-        lt.PDL = lt.PREFETCH = None
+        try:
+            lt.PDL = False  # the same kernels without programmatic dependent launch, then also
+            per_layer["fused_best_nopdl"] = graph_ms(L.layers(lt.fused_layer_step)) / a.layers * 1e3
+            lt.PREFETCH = False  # without the L2 prefetches
+            per_layer["fused_best_plain"] = graph_ms(L.layers(lt.fused_layer_step)) / a.layers * 1e3
+        finally:
+            lt.PDL = lt.PREFETCH = None
         lt.TUNE.clear()
         res["best"] = {k: list(v) for k, v in best.items()}
         res["layer_us"] = {k: round(v, 2) for k, v in per_layer.items()}
@@ -209,13 +211,16 @@ def main() -> int:
 
 def apply_tune(paths: str) -> dict:
     """The best launch parameters of runs of this bench (their JSONs, a comma list) into
-    layer_triton.TUNE, per row block, and layer_triton.FUSED_MAX_ROWS raised to the most rows
-    at which their fused layer beat the compiled one (with every fewer measured row count
-    also won). Returns what it set."""
+    layer_triton.TUNE, per row block (of several row counts in one block, the fewest rows'),
+    and layer_triton.FUSED_MAX_ROWS raised to the most rows at which their fused layer beat
+    the compiled one with every fewer measured row count also won (row counts between two
+    measured ones are taken to behave as the larger; the limit is never lowered). Returns
+    what it set."""
     res = {}
     for path in paths.split(","):
         res.update(json.loads(Path(path).read_text())["rows"])
-    for r in res.values():
+    for rows in sorted(res, key=int, reverse=True):  # the fewest rows of a block set it last
+        r = res[rows]
         for k, v in r.get("best", {}).items():
             if k != "attn":  # the attention kernel keeps its own parameters
                 lt.TUNE[(k, r["block_m"])] = tuple(v)

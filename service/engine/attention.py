@@ -17,8 +17,8 @@ Two implementations of that one rule:
               over keys stops at each row's own length, read from the device, so a CUDA graph
               serves every length up to its context class (two: up to 512 keys, and the
               pool's length; the class only sets how many ways the keys may be split). Split
-              over the keys ("flash decoding") when the class is long and B x kv heads alone
-              cannot fill the GPU,
+              over the keys ("flash decoding") when B x kv heads alone cannot fill the GPU:
+              in the long class, and in the short one for decode-shaped tree forwards,
               with a second small kernel merging the splits. Registered as the torch op `ddserve::tree_attention` so
               torch.compile treats it as one opaque call.
 

@@ -26,9 +26,10 @@ The reference stays the tests' oracle and the path for wide forwards (prefill ch
 
 On Hopper the chain of a step's kernels overlaps (PDL and PREFETCH below): each kernel lets
 the next one launch as it starts; the next one has its weight rows prefetched into L2, then
-waits for its predecessor before it touches an activation, the pool or its outputs. Only
-weights are read before that wait, so the results are those of serial launches, bit for bit
-(tests/engine/test_layer_triton.py checks it on the GPU).
+waits for its predecessor before it touches an activation, the pool or its outputs. Before
+that wait only weights and the forward's inputs copied in before it started (slots, write
+positions, committed lengths) are read, so the results are those of serial launches, bit
+for bit (tests/engine/test_layer_triton.py checks it on the GPU).
 """
 
 from __future__ import annotations
@@ -94,17 +95,19 @@ def _qkv_rope(
         prefetch_l2(Wqkv + (col + HALF) * sw, nbytes)
     m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     m_ok = m < M
-    # the forward's inputs (made before its first layer: no kernel of the chain writes them)
-    # before the wait: RoPE's cos/sin, and each row's slot and write position
+    # each row's slot and write position before the wait: the forward's inputs, copied in
+    # before it starts. Not RoPE's cos/sin: kernels compute them just before the first
+    # layer, and a kernel that does not trigger its dependents early triggers them as its
+    # programs exit, before its writes are guaranteed visible: only the wait orders them
+    slot = tl.load(Rows + m // W, mask=m_ok, other=0)
+    pos = tl.load(Wpos + m, mask=m_ok, other=0)
+    wait_prev(PDL)
     cs = Cos + m[:, None] * sc + j[None, :]
     sn = Sin + m[:, None] * sc + j[None, :]
     c_lo = tl.load(cs, mask=m_ok[:, None], other=0.0)
     c_hi = tl.load(cs + HALF, mask=m_ok[:, None], other=0.0)
     s_lo = tl.load(sn, mask=m_ok[:, None], other=0.0)
     s_hi = tl.load(sn + HALF, mask=m_ok[:, None], other=0.0)
-    slot = tl.load(Rows + m // W, mask=m_ok, other=0)
-    pos = tl.load(Wpos + m, mask=m_ok, other=0)
-    wait_prev(PDL)
     lo = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     hi = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     ss = tl.zeros([BLOCK_M], tl.float32)

@@ -4,9 +4,11 @@ Imported only where triton is.
 
 * Programmatic dependent launch (PDL): a kernel launched with `launch_pdl=True` may start
   while its predecessor in the stream still runs, once every program of the predecessor has
-  called `launch_next`; it must call `wait_prev` before it reads anything the predecessor
-  (or any kernel before it) may write, and before it writes anything at all. Completion is
-  transitive: a kernel that has passed `wait_prev` knows every earlier kernel finished.
+  called `launch_next` (or exited: a kernel that never calls it, torch's, triggers as its
+  programs exit, before its writes are guaranteed visible). It must call `wait_prev` before
+  it reads anything a kernel of the stream may have written since the work before the
+  chain's first kernel (host copies are fine), and before it writes anything at all.
+  Completion is transitive: a kernel past `wait_prev` knows every earlier kernel finished.
 * `prefetch_l2`: a bulk prefetch of memory into L2 (cp.async.bulk.prefetch): no registers
   held, nothing waited for; issued before `wait_prev` for what no predecessor writes
   (weights, committed keys), so the loads after the wait find it in L2.
@@ -41,7 +43,9 @@ def wait_prev(PDL: tl.constexpr):
 @triton.jit
 def prefetch_l2(at, nbytes):
     """Each address of `at` (16-byte aligned) and the `nbytes` after it (a multiple of 16,
-    > 0) into L2; one bulk prefetch per address (a warp loops over its distinct ones)."""
+    > 0) into L2. Each warp issues one bulk prefetch per distinct address it holds (a loop
+    over them); a layout that replicates elements across warps repeats some, which the L2
+    absorbs (a scalar address: one per warp)."""
     tl.inline_asm_elementwise(
         "cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0;",
         "=r,l,r",

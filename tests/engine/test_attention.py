@@ -76,6 +76,32 @@ def test_kernel_equals_reference(mode, b, w, splits, window, dtype):
         assert (op.float() - ref).abs().max().item() < tol
 
 
+@pytest.mark.parametrize("w,split", [(2, True), (8, False)], ids=["decode", "wide-tree"])
+def test_short_context_splits_only_decode_shaped_trees(w, split, monkeypatch):
+    """In the short class (<= 512 keys) a tree forward of few folded query rows on an idle
+    GPU splits its keys (>= 64 a split: the merge kernel runs); a wider one (more than 16
+    folded rows a program) keeps one kernel; both equal the reference. (Off CUDA the GPU
+    is one multiprocessor: one request of one kv head leaves it idle.)"""
+    dtype = DTYPES[-1]
+    q, kc, vc, rows, past, tree, _ = case(1, w, A.TREE, kvh=1, length=320, dtype=dtype, seed=w)
+    merges = []
+    real = T._merge
+
+    class Counting:
+        def __getitem__(self, grid):
+            merges.append(grid)
+            return real[grid]
+
+    monkeypatch.setattr(T, "_merge", Counting())
+    monkeypatch.setattr(T, "multiprocessors", lambda device: 1)
+    ref_plan = A.plan("sdpa", past, A.TREE, tree, w, kc.shape[2], 3, dtype)
+    ref = A.attend(q, kc, vc, rows, 1, w, ref_plan, False).float()
+    out = launch(q, kc, vc, rows, past, tree, None, w, A.TREE, 320)
+    assert bool(merges) == split
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert (out.reshape(w, -1).float() - ref).abs().max().item() < tol
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_wide_chunk_launch_equals_reference(dtype):
     """Wide prompt chunks launch with their own blocks (128 query rows, 32-key steps, 8 warps,

@@ -147,57 +147,66 @@ def test_fused_layers_choice():
     not CUDA or torch.cuda.get_device_capability()[0] < 9,
     reason="programmatic dependent launch needs a Hopper-or-later GPU",
 )
-@pytest.mark.parametrize("blocks", [False, True], ids=["defaults", "blocks"])
-def test_pdl_chain_equals_serial_launches(blocks):
-    """Twelve fused layers (triton attention) in one CUDA graph, with programmatic dependent
-    launch and L2 prefetches and without either: the same bits in the output and in every
-    pool after each of 20 replays on fresh inputs, i.e. no kernel read or wrote before its
-    predecessor finished."""
+@pytest.mark.parametrize("tuned", [False, True], ids=["defaults", "blocks"])
+def test_pdl_chain_equals_serial_launches(tuned):
+    """Twelve fused layers (triton attention, its keys split: the merge kernel in the chain)
+    in one CUDA graph, with programmatic dependent launch and L2 prefetches and without
+    either: the same bits in the output and in every pool after each of 20 replays. Each
+    replay gets new tokens, committed lengths and write positions (copied in, as the engine
+    does) and RoPE's cos/sin computed inside the graph just before the first layer, so a
+    kernel that read before its predecessors' writes were visible would differ."""
     dt = torch.bfloat16
-    blocks = [random_block(False, dt, seed=i, head_dim=64) for i in range(12)]
-    c = blocks[0].cfg
-    b, w, length = 4, 2, 96
+    layers = [random_block(False, dt, seed=i, head_dim=64) for i in range(12)]
+    c = layers[0].cfg
+    b, w, length = 4, 2, 256  # 6 folded rows a program, 256 keys: four splits
     gen = torch.Generator().manual_seed(1)
+    rotary = Rotary(c.head_dim, 10000.0).to(DEV)
     rows = torch.arange(b, device=DEV)
-    past = torch.randint(8, length - w - 1, (b,), generator=gen).to(DEV)
-    wpos = past[:, None] + torch.arange(w, device=DEV)[None, :]
-    cos, sin = Rotary(c.head_dim, 10000.0).to(DEV)(wpos.reshape(-1), dt)
+    past = torch.zeros(b, dtype=torch.long, device=DEV)  # inputs, refilled before each replay
+    wpos = torch.zeros(b, w, dtype=torch.long, device=DEV)
+    x_in = torch.zeros(b * w, c.hidden_size, device=DEV, dtype=dt)
     tree = torch.ones(b, w, w, dtype=torch.long, device=DEV).tril()
     attn = A.plan("triton", past, A.TREE, tree, w, length, c.num_heads // c.num_kv_heads, dt)
     shape = (b, c.num_kv_heads, length, c.head_dim)
-    pools0 = [torch.randn(shape, generator=gen).to(DEV, dt) for _ in range(2 * len(blocks))]
-    xs = [torch.randn(b * w, c.hidden_size, generator=gen).to(DEV, dt) for _ in range(20)]
-    if blocks:
+    pools0 = [torch.randn(shape, generator=gen).to(DEV, dt) for _ in range(2 * len(layers))]
+    steps = []
+    for _ in range(20):
+        p = torch.randint(8, length - w - 1, (b,), generator=gen)
+        x = torch.randn(b * w, c.hidden_size, generator=gen).to(dt)
+        steps.append((p.to(DEV), (p[:, None] + torch.arange(w)).to(DEV), x.to(DEV)))
+
+    def chain(pools):
+        cos, sin = rotary(wpos.reshape(-1), dt)  # kernels right before the first layer
+        x = x_in
+        for i, block in enumerate(layers):
+            kc, vc = pools[2 * i], pools[2 * i + 1]
+            x = fused_layer_step(block, x, cos, sin, kc, vc, rows, wpos, attn, True)
+        return x
+
+    if tuned:
         layer_triton.TUNE.update(BLOCKS)
     results = {}
     try:
-        for pdl in (False, True):
-            layer_triton.PDL = layer_triton.PREFETCH = pdl
+        for overlap in (False, True):
+            layer_triton.PDL = layer_triton.PREFETCH = overlap
             pools = [p.clone() for p in pools0]
-            x_in = xs[0].clone()
-
-            def chain(x_in=x_in, pools=pools):
-                x = x_in
-                for i, block in enumerate(blocks):
-                    kc, vc = pools[2 * i], pools[2 * i + 1]
-                    x = fused_layer_step(block, x, cos, sin, kc, vc, rows, wpos, attn, True)
-                return x
-
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
-                chain()
+                chain(pools)
             torch.cuda.current_stream().wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
-                out = chain()
+                out = chain(pools)
             seen = []
-            for x in xs:
+            for p, wp, x in steps:
+                past.copy_(p)
+                wpos.copy_(wp)
                 x_in.copy_(x)
                 graph.replay()
-                seen.append((out.clone(), *(p.clone() for p in pools)))
+                seen.append((out.clone(), *(t.clone() for t in pools)))
             torch.cuda.synchronize()
-            results[pdl] = seen
+            results[overlap] = seen
     finally:
         layer_triton.PDL = layer_triton.PREFETCH = None
         layer_triton.TUNE.clear()
