@@ -217,7 +217,8 @@ def _block_m(m: int) -> int:
 
 # Launch parameters per kernel and row block: (block_n, block_k, num_warps, num_stages);
 # qkv's block_n is the rotary columns per half a program takes (0: the whole half).
-# Measured per kernel on the H200 with `python -m ddserve.bench.layer_kernels` (SmolLM2's shapes); TUNE overrides (benchmarks).
+# Measured per kernel on the H200 with `python -m ddserve.bench.layer_kernels` (SmolLM2's
+# shapes); TUNE overrides (benchmarks).
 DEFAULTS = {  # 16 rows: with PDL and the L2 prefetches (results/pdl-h200/lk1.json)
     ("qkv", 16): (0, 256, 8, 1),
     ("gate_up", 16): (32, 256, 4, 1),
