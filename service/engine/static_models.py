@@ -104,10 +104,10 @@ class StaticTarget:
         The triton kernel reads each row's own keys; for it the class only bounds the key
         splits, and there are two: up to 512 keys (splits of >= 64 keys for decode-shaped
         trees, else one) and the pool's length (splits by the shape), so the warm-up
-        captures every graph a forward can need (`classes`). With a class per power of two, the first forward past each one was captured, and
-        compiled, while serving: ~2 s that every stream waited on the H200, and prompt
-        chunks beyond 512 keys ran without graphs, ~25-60 ms of launches each whatever their
-        width (bench/NOTES.md)."""
+        captures every graph a forward can need (`classes`). With a class per power of two,
+        the first forward past each one was captured, and compiled, while serving: ~2 s that
+        every stream waited on the H200, and prompt chunks beyond 512 keys ran without
+        graphs, ~25-60 ms of launches each whatever their width (bench/NOTES.md)."""
         ml = self.pool.max_len
         if self.attention == "triton":
             return min(512, ml) if longest <= 512 else ml
