@@ -209,29 +209,6 @@ def main() -> int:
     return 0
 
 
-def apply_tune(paths: str) -> dict:
-    """The best launch parameters of runs of this bench (their JSONs, a comma list) into
-    layer_triton.TUNE, per row block (of several row counts in one block, the fewest rows'),
-    and layer_triton.FUSED_MAX_ROWS raised to the most rows at which their fused layer beat
-    the compiled one with every fewer measured row count also won (row counts between two
-    measured ones are taken to behave as the larger; the limit is never lowered). Returns
-    what it set."""
-    res = {}
-    for path in paths.split(","):
-        res.update(json.loads(Path(path).read_text())["rows"])
-    for rows in sorted(res, key=int, reverse=True):  # the fewest rows of a block set it last
-        r = res[rows]
-        for k, v in r.get("best", {}).items():
-            if k != "attn":  # the attention kernel keeps its own parameters
-                lt.TUNE[(k, r["block_m"])] = tuple(v)
-    for rows in sorted(res, key=int):
-        us = res[rows].get("layer_us", {})
-        if not us or us["fused_best"] >= us["compile"]:
-            break
-        lt.FUSED_MAX_ROWS = max(lt.FUSED_MAX_ROWS, int(rows))
-    return {"tune": {str(k): v for k, v in lt.TUNE.items()}, "fused_max_rows": lt.FUSED_MAX_ROWS}
-
-
 def save(result: dict, a) -> None:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)

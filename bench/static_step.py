@@ -182,7 +182,7 @@ def main() -> None:
             layer_triton.PREFETCH = False if mode == "fused-plain" else None
 
             if a.fused_tune:  # the best launch parameters of a bench.layer_kernels run
-                from ddserve.bench.layer_kernels import apply_tune
+                from ddserve.bench.tuned import apply_tune
 
                 result["fused_tune"] = apply_tune(a.fused_tune)
             layer_fn = layer_triton.with_fused_layers(layer_fn)
