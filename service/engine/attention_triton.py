@@ -24,7 +24,13 @@ import torch
 import triton
 import triton.language as tl
 
-from ddserve.engine.triton_hopper import launch_kwargs, launch_next, prefetch_l2, wait_prev
+from ddserve.engine.triton_hopper import (
+    bulk_aligned,
+    launch_kwargs,
+    launch_next,
+    prefetch_l2,
+    wait_prev,
+)
 
 NEG = tl.constexpr(-1.0e30)  # a finite -inf: an empty split or row stays NaN-free
 
@@ -261,11 +267,8 @@ def launch(
     win = window if window is not None else past
     mpad = mblocks * block_m
     pdl_launch = launch_kwargs(pdl)
-    # prefetched key ranges are contiguous rows starting 16-byte aligned
-    aligned = kc.stride(2) == hd and all(
-        (s * kc.element_size()) % 16 == 0 for s in (kc.stride(0), kc.stride(1), kc.stride(2))
-    )
-    aligned = aligned and kc.data_ptr() % 16 == 0 and vc.data_ptr() % 16 == 0
+    # prefetched key ranges: contiguous rows (the pools share one layout) starting aligned
+    prefetch = prefetch and kc.stride(2) == hd and all(bulk_aligned(t, (0, 1, 2)) for t in (kc, vc))
     if splits > 1:
         mp = torch.empty(b * kvh * splits * mpad, device=q.device, dtype=torch.float32)
         lp = torch.empty_like(mp)
@@ -279,7 +282,7 @@ def launch(
         w, g, kvh, splits, mpad, kc.shape[2], 1.0 / math.sqrt(hd),
         HD=hd, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n,
         MODE=mode, HAS_WINDOW=window is not None, SPLIT=splits > 1, IEEE=ieee, PDL=pdl,
-        PREFETCH=PREFETCH_KEYS if prefetch and aligned else 0,
+        PREFETCH=PREFETCH_KEYS if prefetch else 0,
         **{k: tune[k] for k in ("num_warps", "num_stages") if k in tune}, **pdl_launch,
     )  # fmt: skip
     if splits > 1:

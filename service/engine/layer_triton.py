@@ -39,7 +39,14 @@ import triton
 import triton.language as tl
 
 from ddserve.engine.attention import attend
-from ddserve.engine.triton_hopper import hopper, launch_kwargs, launch_next, prefetch_l2, wait_prev
+from ddserve.engine.triton_hopper import (
+    bulk_aligned,
+    hopper,
+    launch_kwargs,
+    launch_next,
+    prefetch_l2,
+    wait_prev,
+)
 
 # wider forwards go through torch: measured on the H200 (bench/NOTES.md), the fused layer
 # wins up to 16 rows (32.8 vs 34.8 us per layer at 1 row) and ties at 64 (41.8 vs 41.6)
@@ -102,12 +109,6 @@ def _qkv_rope(
     slot = tl.load(Rows + m // W, mask=m_ok, other=0)
     pos = tl.load(Wpos + m, mask=m_ok, other=0)
     wait_prev(PDL)
-    cs = Cos + m[:, None] * sc + j[None, :]
-    sn = Sin + m[:, None] * sc + j[None, :]
-    c_lo = tl.load(cs, mask=m_ok[:, None], other=0.0)
-    c_hi = tl.load(cs + HALF, mask=m_ok[:, None], other=0.0)
-    s_lo = tl.load(sn, mask=m_ok[:, None], other=0.0)
-    s_hi = tl.load(sn + HALF, mask=m_ok[:, None], other=0.0)
     lo = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     hi = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     ss = tl.zeros([BLOCK_M], tl.float32)
@@ -127,6 +128,12 @@ def _qkv_rope(
         lo = (lo + tl.load(Bias + col)[None, :]).to(dt)
         hi = (hi + tl.load(Bias + col + HALF)[None, :]).to(dt)
     if head < NH + KVH:  # RoPE: [lo, hi] * cos + [-hi, lo] * sin
+        cs = Cos + m[:, None] * sc + j[None, :]
+        sn = Sin + m[:, None] * sc + j[None, :]
+        c_lo = tl.load(cs, mask=m_ok[:, None], other=0.0)
+        c_hi = tl.load(cs + HALF, mask=m_ok[:, None], other=0.0)
+        s_lo = tl.load(sn, mask=m_ok[:, None], other=0.0)
+        s_hi = tl.load(sn + HALF, mask=m_ok[:, None], other=0.0)
         lo, hi = (
             ((lo * c_lo).to(dt) - (hi * s_lo).to(dt)).to(dt),
             ((hi * c_hi).to(dt) + (lo * s_hi).to(dt)).to(dt),
@@ -266,8 +273,7 @@ def prefetch_on(device: torch.device, ctx: int = 0) -> bool:
 def _prefetch_bytes(w: torch.Tensor, ctx: int) -> int:
     """The bytes of each of w's rows to prefetch into L2 (0: none): a row, where every row
     starts 16-byte aligned (the bulk prefetch's rule), rounded down to 16 bytes."""
-    row = w.stride(0) * w.element_size()
-    if not prefetch_on(w.device, ctx) or w.stride(1) != 1 or w.data_ptr() % 16 or row % 16:
+    if not prefetch_on(w.device, ctx) or w.stride(1) != 1 or not bulk_aligned(w, (0,)):
         return 0
     return w.shape[1] * w.element_size() // 16 * 16
 

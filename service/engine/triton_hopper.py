@@ -62,6 +62,13 @@ def hopper(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
 
 
+def bulk_aligned(t: torch.Tensor, dims: tuple[int, ...]) -> bool:
+    """Whether every row of `t` along `dims` starts 16-byte aligned (prefetch_l2's rule):
+    its data pointer and those dimensions' strides in bytes are multiples of 16."""
+    size = t.element_size()
+    return t.data_ptr() % 16 == 0 and all(t.stride(d) * size % 16 == 0 for d in dims)
+
+
 def launch_kwargs(pdl: bool) -> dict:
     """The launch options of a kernel in a PDL chain (none off it)."""
     return {"launch_pdl": True} if pdl else {}
