@@ -21,6 +21,13 @@ ROOT = Path(__file__).parents[1]
         ("bogus: 1", "bogus: unknown field"),
         ("engine: [1, 2", "not valid YAML"),
         ("- a\n- b", "top level must be a mapping"),
+        ("api_server_count: 0", "api_server_count=0"),
+        ("api_server_count: 2", "api_server_count=2 needs http.ingress: haproxy"),
+        (
+            "api_server_count: 2\nhttp: {ingress: haproxy}\n"
+            "engine: {kind: sglang, model: m, sglang: {draft_model_path: d}}",
+            "only a builtin engine's replica runs extra API processes",
+        ),
     ],
 )
 def test_bad_configs_name_field_value_and_rule(tmp_path, text, needle):

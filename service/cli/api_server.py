@@ -20,33 +20,29 @@ each new connection to whichever process accepts first. What is shared and what 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import math
 import os
-import select
 import shutil
-import signal
 import socket
-import subprocess
-import sys
 import tempfile
-import time
 from dataclasses import asdict, dataclass, field, replace
 
 from ddserve.api.limits import ServerLimits
-from ddserve.backends.process import die_with_parent
+from ddserve.backends.api_processes import (
+    Deaths,
+    Extras,
+    event_loop_factory,
+    label_logs,
+    read_payload,
+    say_ready,
+    stop_on_signals,
+)
 from ddserve.config.engine import EngineConfig
-from ddserve.errors import EngineUnavailable
 
 log = logging.getLogger("ddserve.api_server")
 
-SPEC_ENV = "DDSERVE_API_SERVER"  # an extra process's ApiServer, as JSON (secrets: never argv)
-READY_S = 600.0  # an extra process loads a tokenizer and joins the core: minutes at most
-STOP_S = 20.0
-# an extra process's entry (`-m ddserve.cli.api_server` would run this module a second time:
-# the package imports it first)
-ENTRY = "import sys; from ddserve.cli.api_server import main; sys.exit(main())"
+MODULE = "ddserve.cli.api_server"  # what an extra process runs (its `main`)
 
 
 @dataclass
@@ -95,139 +91,6 @@ def build_server(spec: ApiServer, config: EngineConfig, backend):
     )
 
 
-class Deaths:
-    """What died under a server (the core: its backend's `on_death`; an extra process: the
-    supervisor): each stops the server; any makes its exit code non-zero."""
-
-    def __init__(self):
-        self.messages: list[str] = []
-        self.server = None  # the uvicorn server, once there is one
-
-    def __call__(self, message: str) -> None:
-        self.messages.append(message)
-        if self.server is not None:
-            self.server.should_exit = True
-
-    def __bool__(self) -> bool:
-        return bool(self.messages)
-
-
-class Extras:
-    """The N-1 extra API processes of a server: started, waited for, watched, stopped."""
-
-    def __init__(
-        self,
-        spec: ApiServer,
-        config: EngineConfig,
-        sock: socket.socket,
-        core_pid: int,
-        core_url: str,
-    ):
-        self.spec, self.config, self.sock = spec, config, sock
-        self.core_pid, self.core_url = core_pid, core_url
-        self.procs: list[subprocess.Popen] = []
-
-    def start(self) -> None:
-        fd = self.sock.fileno()
-        self._ready: list[int] = []
-        for i in range(1, self.spec.count):
-            r, w = os.pipe()
-            payload = {
-                "server": asdict(self.spec) | {"index": i},
-                "config": self.config.model_dump(mode="json"),
-                "core_pid": self.core_pid,
-                "core_url": self.core_url,
-                "fd": fd,
-                "ready_fd": w,
-            }
-            env = {**os.environ, SPEC_ENV: json.dumps(payload)}
-            try:
-                proc = subprocess.Popen(
-                    [sys.executable, "-c", ENTRY],
-                    env=env,
-                    pass_fds=(fd, w),
-                    preexec_fn=die_with_parent,
-                )
-            finally:
-                os.close(w)
-            self.procs.append(proc)
-            self._ready.append(r)
-
-    def wait_ready(self, timeout: float = READY_S) -> None:
-        """Until every extra process says it serves; one that exits first fails the start."""
-        deadline = time.monotonic() + timeout
-        try:
-            for i, (proc, r) in enumerate(zip(self.procs, self._ready, strict=True), 1):
-                left = deadline - time.monotonic()
-                if not select.select([r], [], [], max(left, 0))[0]:
-                    raise EngineUnavailable(f"API process {i} not ready within {timeout:.0f}s")
-                if not os.read(r, 1):
-                    proc.wait(10)
-                    raise EngineUnavailable(
-                        f"API process {i} exited with code {proc.returncode} before it was ready (see the log above)"
-                    )
-        finally:
-            for r in self._ready:
-                os.close(r)
-            self._ready = []
-
-    def dead(self) -> str | None:
-        for i, proc in enumerate(self.procs, 1):
-            if proc.poll() is not None:
-                return f"API process {i} (pid {proc.pid}) exited with code {proc.returncode}"
-        return None
-
-    def terminate(self) -> None:
-        """Ask each to stop (uvicorn's graceful stop: no new connections, streams finish)."""
-        for proc in self.procs:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-
-    def stop(self, grace_s: float = STOP_S) -> None:
-        self.terminate()
-        deadline = time.monotonic() + grace_s
-        for proc in self.procs:
-            try:
-                proc.wait(max(deadline - time.monotonic(), 0.1))
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(5)
-
-
-def label_logs(index: int, count: int) -> None:
-    """Every log line of this process says which API process it is (`[api 1/4]`)."""
-    fmt = logging.Formatter(
-        f"%(asctime)s %(levelname)s %(name)s [api {index}/{count}]: %(message)s"
-    )
-    for handler in logging.getLogger().handlers:
-        handler.setFormatter(fmt)
-
-
-def stop_on_signals() -> None:
-    """SIGTERM and SIGINT end this process through its clean-up (SystemExit(0)) wherever
-    uvicorn's own handlers are not in place: while it starts, and when uvicorn raises the
-    signal again after its graceful stop (the default action killed the process there,
-    before the clean-up: the core left to its death signal, temporary directories left
-    behind; and asyncio's SIGINT handler could lose a signal that came between start-up and
-    serving)."""
-
-    def stop(signum, frame):
-        raise SystemExit(0)
-
-    signal.signal(signal.SIGTERM, stop)
-    signal.signal(signal.SIGINT, stop)
-
-
-def event_loop_factory():
-    """uvloop's event loop where it is installed (uvicorn[standard] brings it; vLLM's and
-    SGLang's API servers run on it too, and Ray's workers install it), else asyncio's."""
-    try:
-        import uvloop
-    except ImportError:
-        return None
-    return uvloop.new_event_loop
-
-
 async def serve_first(spec: ApiServer, config: EngineConfig, sock: socket.socket) -> int:
     """`ddserve engine`'s own process: start the engine core (this process is its client 0),
     the extra API processes once it is ready, then serve HTTP. Returns non-zero when the
@@ -260,7 +123,19 @@ async def serve_first(spec: ApiServer, config: EngineConfig, sock: socket.socket
             raise
         backend.tokenizer = await tokenizer
         if spec.count > 1:
-            extras = Extras(spec, config, sock, backend.process.pid, backend.url)
+            extras = Extras(
+                MODULE,
+                [
+                    {
+                        "server": asdict(spec) | {"index": i},
+                        "config": config.model_dump(mode="json"),
+                        "core_pid": backend.process.pid,
+                        "core_url": backend.url,
+                    }
+                    for i in range(1, spec.count)
+                ],
+                sock.fileno(),
+            )
             extras.start()
             await asyncio.to_thread(extras.wait_ready)
         server = died.server = build_server(spec, config, backend)
@@ -327,8 +202,7 @@ async def serve_extra(payload: dict) -> int:
     )
     try:
         server = died.server = build_server(spec, config, backend)
-        os.write(payload["ready_fd"], b"1")
-        os.close(payload["ready_fd"])
+        say_ready(payload)
         if not died:
             freeze_startup_heap()
             await server.serve(sockets=[sock])
@@ -339,13 +213,13 @@ async def serve_extra(payload: dict) -> int:
 
 def main() -> int:
     stop_on_signals()
-    payload = json.loads(os.environ.pop(SPEC_ENV))
-    server = payload["server"]
+    spec = read_payload()
+    server = spec["server"]
     logging.basicConfig(level=server["log_level"].upper())
     label_logs(server["index"], server["count"])
     try:
         with asyncio.Runner(loop_factory=event_loop_factory()) as runner:
-            return runner.run(serve_extra(payload))
+            return runner.run(serve_extra(spec))
     except KeyboardInterrupt:
         return 0
     except Exception as exc:

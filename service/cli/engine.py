@@ -11,7 +11,8 @@ import socket
 import sys
 
 from ddserve.api.limits import ServerLimits
-from ddserve.cli.api_server import ApiServer, event_loop_factory, serve_first, stop_on_signals
+from ddserve.backends.api_processes import event_loop_factory, stop_on_signals
+from ddserve.cli.api_server import ApiServer, serve_first
 from ddserve.cli.client import client_api_key, get_json, post_json
 from ddserve.config import api_key
 from ddserve.config.admin_token import DEFAULT_ENV, read_admin_token

@@ -87,6 +87,12 @@ class ServeConfig(_Frozen):
     max_ongoing_requests: int = Field(
         64, ge=1, description="Requests a replica accepts at once before Serve queues them."
     )
+    api_server_count: int = Field(
+        1,
+        ge=1,
+        le=64,
+        description="API processes per replica (vLLM's --api-server-count): the replica's own and N-1 more on its port, over its one engine core; HTTP, JSON and detokenisation spread over N cores. Builtin engine with http.ingress: haproxy (Serve's direct ingress) only.",
+    )
     cpus_per_replica: float = Field(
         1.0, ge=0, description="Ray CPUs reserved per replica (its engine process included)."
     )
@@ -108,6 +114,14 @@ class ServeConfig(_Frozen):
         if isinstance(self.replicas, int) and self.replicas < 1:
             raise ValueError(
                 f"replicas={self.replicas}: need at least 1 (or {{min, max}} for autoscaling)"
+            )
+        if self.api_server_count > 1 and self.engine.kind != "builtin":
+            raise ValueError(
+                f"api_server_count={self.api_server_count}: only a builtin engine's replica runs extra API processes (an SGLang engine serves its own HTTP); use 1"
+            )
+        if self.api_server_count > 1 and self.http.ingress != "haproxy":
+            raise ValueError(
+                f"api_server_count={self.api_server_count} needs http.ingress: haproxy (the extra API processes share the replica's own port, which only Serve's direct ingress gives it); use 1 with ingress: {self.http.ingress}"
             )
         return self
 

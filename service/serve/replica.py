@@ -26,7 +26,7 @@ import httpx
 import ray
 from ray import serve
 
-from ddserve.api.app import create_app, freeze_startup_heap
+from ddserve.api.app import freeze_startup_heap
 from ddserve.api.observability import MeteredBackend, drafter_depth
 from ddserve.api.text import encode
 from ddserve.backends.core import CoreBackend
@@ -35,6 +35,7 @@ from ddserve.backends.remote import RemoteBackend
 from ddserve.config.deploy import Autoscaling, ServeConfig
 from ddserve.engine.sampling import SamplingParams
 from ddserve.errors import DDServeError, EngineError, EngineUnavailable
+from ddserve.serve.api_process import ReplicaApiProcesses, replica_app
 from ddserve.serve.metrics import RayExporter, poll_engine_load
 from ddserve.serve.registry import ReplicaRecord, ReplicaState, drop, publish
 
@@ -59,6 +60,7 @@ class EngineReplica:
         self.log_path = os.path.join(tempfile.gettempdir(), f"ddserve-engine-{self.replica_id}.log")
         self.attempt, self.verified_at, self.healthy_at = "", 0.0, 0.0
         self.engine = None
+        self.api: ReplicaApiProcesses | None = None  # the extra API processes, if any
         self._publish(ReplicaState.STARTING)
         try:
             from ddserve.engine.weights import load_tokenizer
@@ -68,21 +70,30 @@ class EngineReplica:
             )
             tokenizer = await asyncio.to_thread(load_tokenizer, spec)
             inner = await self._start_engine(ecfg, tokenizer)
+            exporter = RayExporter(ecfg.model_id)
             self.backend = MeteredBackend(
                 inner,
-                RayExporter(ecfg.model_id),
+                exporter,
                 drafter_depth=drafter_depth(ecfg.drafter.model_dump()),
                 load=getattr(inner, "load_gauges", None),
             )
             await self.backend.refresh()
+            if self.cfg.api_server_count > 1:
+                self.api = ReplicaApiProcesses(self.cfg, self.replica_id, inner, exporter)
+                await self.api.start()
         except BaseException as exc:
+            if self.api is not None:
+                await asyncio.to_thread(self.api.stop)
             if self.engine is not None:
                 self.engine.stop()
             self._publish(ReplicaState.FAILED, f"engine start: {getattr(exc, 'message', exc)}")
             self._keep_record = True  # __del__ runs next; the controller needs this reason
             raise
         self.healthy_at = time.time()
-        self._watchdog = asyncio.get_running_loop().create_task(self._watch_engine())
+        loop = asyncio.get_running_loop()
+        self._watchdog = loop.create_task(self._watch_engine())
+        if self.api is not None:
+            self._api_listen = loop.create_task(self._api_serve())
         freeze_startup_heap()
         log.info(
             "replica %s ready: engine pid %s at %s, fingerprint %s",
@@ -99,7 +110,11 @@ class EngineReplica:
         timeout = self.cfg.health.engine_start_timeout_s
         if ecfg.kind == "builtin":
             backend = await CoreBackend.start(
-                ecfg, tokenizer, timeout=timeout, log_path=self.log_path
+                ecfg,
+                tokenizer,
+                timeout=timeout,
+                log_path=self.log_path,
+                clients=self.cfg.api_server_count,
             )
             self.engine = backend.process
             return backend
@@ -113,6 +128,27 @@ class EngineReplica:
         return RemoteBackend.for_config(
             self.engine.url, ecfg, tokenizer, admin_token=self.engine.admin_token
         )
+
+    async def _api_serve(self) -> None:
+        """Hand the extra API processes Serve's listening socket once it is open (after
+        __init__ and the first reconfigure)."""
+        from ray.serve._private import constants  # Ray is pinned (2.60.0)
+
+        lo = constants.RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT
+        hi = constants.RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT
+        if await self.api.listen(range(lo, hi + 1)):
+            log.info(
+                "replica %s: %d API processes (pids %s and this one)",
+                self.replica_id,
+                self.cfg.api_server_count,
+                self.api.extras.pids,
+            )
+        else:
+            log.warning("replica %s: %s", self.replica_id, self.api.note)
+
+    def _die(self, msg: str) -> None:
+        self._publish(ReplicaState.DEAD, msg)
+        ray.kill(ray.get_runtime_context().current_actor, no_restart=True)
 
     async def reconfigure(self, user_config: dict) -> None:
         """Serve calls this after __init__ and on every user_config change (a live
@@ -156,16 +192,7 @@ class EngineReplica:
         return fp
 
     def __serve_build_asgi_app__(self):
-        app = create_app(
-            self.backend,
-            admin_token=self.cfg.admin_token,
-            title="ddserve",
-            admin_enabled=False,
-            api_key=self.cfg.api_key,
-            stream_interval=self.cfg.engine.stream_interval,
-        )
-        app.add_middleware(ResponseHeader, name="x-ddserve-replica", value=self.replica_id)
-        return app
+        return replica_app(self.backend, self.cfg, self.replica_id, (0, self.cfg.api_server_count))
 
     def _publish(self, state: ReplicaState, error: str = "") -> None:
         b = getattr(self, "backend", None)
@@ -196,17 +223,20 @@ class EngineReplica:
         engine that exits takes its replica with it at once, so the proxy stops routing here
         within a second instead of at the next health check."""
         builtin = self.cfg.engine.kind == "builtin"
+        msg = None
         async with httpx.AsyncClient() as client:
             while self.engine.alive():
                 if builtin:  # the core sends its load with every round
                     self.backend.refresh_gauges()
                 else:
                     self.backend.refresh_gauges(await poll_engine_load(client, self.engine.url))
+                if self.api is not None and (msg := self.api.dead()):
+                    break
                 await asyncio.sleep(0.5)
-        msg = f"engine process {self.engine.pid} exited with code {self.engine.proc.returncode}"
+        if msg is None:
+            msg = f"engine process {self.engine.pid} exited with code {self.engine.proc.returncode}"
         log.error("%s; stopping replica %s so Serve replaces it", msg, self.replica_id)
-        self._publish(ReplicaState.DEAD, msg)
-        ray.kill(ray.get_runtime_context().current_actor, no_restart=True)
+        self._die(msg)
 
     async def check_health(self) -> None:
         """Serve calls this every health.period_s: a real generation, or recent real traffic."""
@@ -226,6 +256,9 @@ class EngineReplica:
         self._publish(ReplicaState.RUNNING)
 
     async def __del__(self):
+        api = getattr(self, "api", None)
+        if api is not None:  # their streams finish first: they need the engine
+            await asyncio.to_thread(api.stop)
         engine = getattr(self, "engine", None)
         if engine is not None:
             await asyncio.to_thread(engine.stop)
@@ -234,27 +267,6 @@ class EngineReplica:
             await b.inner.aclose()
         if hasattr(self, "cfg") and not getattr(self, "_keep_record", False):
             drop(self.cfg.name, self.replica_id)
-
-
-class ResponseHeader:
-    """Pure ASGI middleware adding one header to every HTTP response. (FastAPI's
-    `@app.middleware("http")` runs each response through a task and a memory stream: with
-    128-token streams it doubled the app's CPU per request, ~47 us per chunk.)"""
-
-    def __init__(self, app, name: str, value: str):
-        self.app = app
-        self.header = (name.lower().encode("latin-1"), value.encode("latin-1"))
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-
-        async def tagged(message):
-            if message["type"] == "http.response.start":
-                message = {**message, "headers": [*message.get("headers", []), self.header]}
-            await send(message)
-
-        await self.app(scope, receive, tagged)
 
 
 def deployment_options(cfg: ServeConfig) -> dict:

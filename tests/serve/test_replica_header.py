@@ -1,4 +1,4 @@
-"""The replica's `x-ddserve-replica` header (ddserve.serve.replica.ResponseHeader, pure ASGI):
+"""The replica's `x-ddserve-replica` header (ddserve.serve.api_process.ResponseHeader, pure ASGI):
 on plain, streamed and error answers alike, without changing their bodies."""
 
 import asyncio
@@ -7,7 +7,7 @@ import httpx
 from fastapi import FastAPI
 from fastapi.responses import StreamingResponse
 
-from ddserve.serve.replica import ResponseHeader
+from ddserve.serve.api_process import ResponseHeader
 
 
 def test_every_answer_carries_the_replica_header():

@@ -1,0 +1,385 @@
+"""A Ray replica's API processes (`api_server_count` in a deploy YAML; vLLM's
+`--api-server-count`, here per replica).
+
+A replica is one process: with Ray's HAProxy ingress it serves HTTP itself (Serve's "direct
+ingress"), and at high concurrency its one event loop, not the engine, set the pace (issue
+13: every token of every stream is an HTTP write; the engine server's first token at 64
+streams came 4 ms after the in-process runner's with four API processes, 28-41 ms with one).
+So a replica of the builtin engine may run `api_server_count - 1` more API processes, as the
+engine server does (ddserve.backends.api_processes): each joins the replica's engine core as
+one more client (ddserve.backends.core.CoreBackend.attach) and accepts connections on the
+replica's own listening socket, inherited once Serve has opened it, so HAProxy's
+connections to this replica spread over all of them. Every process serves the same app
+(`replica_app`); the extra ones also answer Serve's `/-/healthz` and `/-/routes` (HAProxy
+health-checks the replica's port) and send their metrics to the replica, which exports
+them through Ray with its own (`RelayExporter` -> `MetricsRelay`). They die with the
+replica; one that dies takes the replica down (Serve replaces it), as a dead engine does.
+
+Only the replica's own process is seen by Serve: its ongoing-request count, autoscaling
+signal and access log count what reaches that process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import socket
+import time
+
+import msgpack
+
+from ddserve.api.app import create_app, freeze_startup_heap
+from ddserve.api.observability import MeteredBackend, drafter_depth
+from ddserve.backends.api_processes import (
+    Deaths,
+    Extras,
+    event_loop_factory,
+    label_logs,
+    read_payload,
+    say_ready,
+    stop_on_signals,
+)
+from ddserve.backends.core import CoreBackend
+from ddserve.config.deploy import ServeConfig
+
+log = logging.getLogger(__name__)
+
+MODULE = "ddserve.serve.api_process"  # what an extra process runs (its `main`)
+RELAY_S = 0.25  # how often an extra process sends its metrics to the replica
+SOCKET_WAIT_S = 300.0  # how long a replica looks for the listening socket Serve opens
+# idle connections kept as long as Serve's own replica server keeps them (HAProxy reuses
+# them: `http-reuse always`); Ray's default, or its variable
+KEEP_ALIVE_S = int(os.environ.get("RAY_SERVE_HTTP_KEEP_ALIVE_TIMEOUT_S") or 90)
+
+
+class ResponseHeader:
+    """Pure ASGI middleware adding one header to every HTTP response. (FastAPI's
+    `@app.middleware("http")` runs each response through a task and a memory stream: with
+    128-token streams it doubled the app's CPU per request, ~47 us per chunk.)"""
+
+    def __init__(self, app, name: str, value: str):
+        self.app = app
+        self.header = (name.lower().encode("latin-1"), value.encode("latin-1"))
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+
+        async def tagged(message):
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), self.header]}
+            await send(message)
+
+        await self.app(scope, receive, tagged)
+
+
+def replica_app(backend, cfg: ServeConfig, replica_id: str, api_server: tuple[int, int] = (0, 1)):
+    """The app every API process of a replica serves (its answers say the replica)."""
+    app = create_app(
+        backend,
+        admin_token=cfg.admin_token,
+        title="ddserve",
+        admin_enabled=False,
+        api_key=cfg.api_key,
+        stream_interval=cfg.engine.stream_interval,
+        api_server=api_server,
+    )
+    app.add_middleware(ResponseHeader, name="x-ddserve-replica", value=replica_id)
+    return app
+
+
+class ServeRoutes:
+    """What Serve's replica server answers besides the app, for an extra process on the
+    same port: HAProxy's health check `/-/healthz` (200 while the engine core lives) and
+    `/-/routes`."""
+
+    def __init__(self, app, backend, routes: dict):
+        self.app, self.backend = app, backend
+        self.routes = json.dumps(routes).encode()
+
+    async def __call__(self, scope, receive, send):
+        path = scope.get("path", "") if scope["type"] == "http" else ""
+        if path == "/-/healthz":
+            ok = self.backend.process.alive()
+            body = b"success" if ok else b"engine core exited"
+            return await _answer(send, 200 if ok else 503, body, b"text/plain")
+        if path == "/-/routes":
+            return await _answer(send, 200, self.routes, b"application/json")
+        return await self.app(scope, receive, send)
+
+
+async def _answer(send, status: int, body: bytes, content_type: bytes) -> None:
+    headers = [(b"content-type", content_type), (b"content-length", str(len(body)).encode())]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+# -- metrics: an extra process's go to its replica -------------------------------------------
+class RelayExporter:
+    """An extra process's metrics exporter (the interface of ddserve.api.observability's
+    exporters): counters summed and observations kept, sent every RELAY_S to the replica as
+    one msgpack array [[0, name, labels, total], [1, name, labels, [values]], ...] over a
+    pipe. Gauges are the replica's own (its config and its engine's load: one per replica).
+    A replica that does not read holds the batches here, never this process's loop."""
+
+    def __init__(self, fd: int):
+        self.fd = fd
+        os.set_blocking(fd, False)
+        self._counts: dict[tuple, float] = {}
+        self._values: dict[tuple, list[float]] = {}
+        self._pending = b""
+
+    def inc(self, name: str, value: float = 1.0, **labels: str) -> None:
+        key = (name, tuple(sorted(labels.items())))
+        self._counts[key] = self._counts.get(key, 0.0) + value
+
+    def observe(self, name: str, value: float, **labels: str) -> None:
+        self._values.setdefault((name, tuple(sorted(labels.items()))), []).append(value)
+
+    def set(self, name: str, value: float, **labels: str) -> None:
+        pass
+
+    def refresh(self) -> None:
+        pass
+
+    def flush(self) -> None:
+        batch = [[0, n, labels, v] for (n, labels), v in self._counts.items()]
+        batch += [[1, n, labels, v] for (n, labels), v in self._values.items()]
+        self._counts, self._values = {}, {}
+        if batch:
+            self._pending += msgpack.packb(batch)
+        if self._pending:
+            try:
+                sent = os.write(self.fd, self._pending)
+            except BlockingIOError:
+                return
+            self._pending = self._pending[sent:]
+
+    async def run(self) -> None:
+        while True:
+            await asyncio.sleep(RELAY_S)
+            self.flush()
+
+
+class MetricsRelay:
+    """The replica's side: applies every extra process's batches to its exporter."""
+
+    def __init__(self, exporter):
+        self.exporter = exporter
+        self._fds: list[int] = []
+
+    def attach(self, fd: int) -> None:
+        os.set_blocking(fd, False)
+        unpacker = msgpack.Unpacker(raw=False)
+        asyncio.get_running_loop().add_reader(fd, self._read, fd, unpacker)
+        self._fds.append(fd)
+
+    def _read(self, fd: int, unpacker) -> None:
+        try:
+            data = os.read(fd, 1 << 20)
+        except BlockingIOError:
+            return
+        if not data:  # that process is gone
+            self._drop(fd)
+            return
+        unpacker.feed(data)
+        for batch in unpacker:
+            self.apply(batch)
+
+    def apply(self, batch: list) -> None:
+        ex = self.exporter
+        for kind, name, labels, value in batch:
+            tags = dict(labels)
+            if kind == 0:
+                ex.inc(name, value, **tags)
+            else:
+                for v in value:
+                    ex.observe(name, v, **tags)
+
+    def _drop(self, fd: int) -> None:
+        asyncio.get_running_loop().remove_reader(fd)
+        os.close(fd)
+        self._fds.remove(fd)
+
+    def close(self) -> None:
+        for fd in list(self._fds):
+            self._drop(fd)
+
+
+# -- the replica's side ----------------------------------------------------------------------
+def listening_socket(ports: range) -> int | None:
+    """The descriptor of this process's listening TCP socket on a port in `ports` (Serve's
+    replica server: it binds one port of its direct-ingress range, and Serve's API says
+    neither the port nor the socket), or None."""
+    wanted: set[str] = set()
+    for table in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
+        try:
+            lines = open(table).read().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            f = line.split()
+            if f[3] == "0A" and int(f[1].rsplit(":", 1)[1], 16) in ports:  # 0A: LISTEN
+                wanted.add(f[9])  # its inode
+    if not wanted:
+        return None
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            link = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:
+            continue
+        if link.startswith("socket:[") and link[8:-1] in wanted:
+            return int(name)
+    return None
+
+
+class ReplicaApiProcesses:
+    """A replica's extra API processes: started (and ready: joined the core, the app built)
+    during the replica's start-up, handed Serve's listening socket once it is open, watched,
+    stopped."""
+
+    def __init__(self, cfg: ServeConfig, replica_id: str, backend: CoreBackend, exporter):
+        self.cfg, self.replica_id, self.backend = cfg, replica_id, backend
+        self.count = cfg.api_server_count
+        self.relay = MetricsRelay(exporter)
+        self.extras: Extras | None = None
+        self._channels: list[socket.socket] = []  # this side of each one's socketpair
+        self.note = ""  # why they do not serve, when they do not
+
+    async def start(self) -> None:
+        """Start them and wait until each is ready to serve (a failure raises)."""
+        pipes = [os.pipe() for _ in range(1, self.count)]
+        pairs = [socket.socketpair() for _ in range(1, self.count)]
+        payloads = [
+            {
+                "config": self.cfg.model_dump(mode="json"),
+                "replica_id": self.replica_id,
+                "index": i,
+                "count": self.count,
+                "core_pid": self.backend.process.pid,
+                "core_url": self.backend.url,
+                "metrics_fd": w,
+                "channel_fd": theirs.fileno(),
+                "pass_fds": [w, theirs.fileno()],
+                "keep_alive_s": KEEP_ALIVE_S,
+                "routes": {"/": self.cfg.name},
+            }
+            for i, ((_, w), (_, theirs)) in enumerate(zip(pipes, pairs, strict=True), 1)
+        ]
+        self.extras = Extras(MODULE, payloads, None)
+        try:
+            self.extras.start()
+        finally:
+            for (_, w), (_, theirs) in zip(pipes, pairs, strict=True):
+                os.close(w)
+                theirs.close()
+        self._channels = [ours for ours, _ in pairs]
+        for r, _ in pipes:
+            self.relay.attach(r)
+        await asyncio.to_thread(self.extras.wait_ready)
+
+    async def listen(self, ports: range) -> bool:
+        """Once Serve listens on this replica's port (after __init__ and the first
+        reconfigure), hand each extra process the socket. False (`note` says why, and they
+        are stopped) when Serve opens none here within SOCKET_WAIT_S."""
+        deadline = time.monotonic() + SOCKET_WAIT_S
+        fd = listening_socket(ports)
+        while fd is None:
+            if time.monotonic() > deadline:
+                self.note = (
+                    f"no listening socket of Serve's direct ingress (ports {ports.start}-"
+                    f"{ports.stop - 1}) in {SOCKET_WAIT_S:.0f}s: this replica serves with one "
+                    "API process (api_server_count needs Ray's HAProxy ingress)"
+                )
+                await asyncio.to_thread(self.stop)
+                return False
+            await asyncio.sleep(0.05)
+            fd = listening_socket(ports)
+        for channel in self._channels:
+            socket.send_fds(channel, [b"L"], [fd])
+        return True
+
+    def dead(self) -> str | None:
+        return self.extras.dead() if self.extras else None
+
+    def stop(self) -> None:
+        """Graceful: no new connections, their streams finish (before the engine stops)."""
+        for channel in self._channels:  # one still waiting for the socket exits at once
+            channel.close()
+        self._channels = []
+        extras, self.extras = self.extras, None
+        if extras is not None:
+            extras.stop()
+
+
+def _listener(channel: socket.socket) -> socket.socket | None:
+    """The listening socket the replica hands over, or None when it closed the channel."""
+    _, fds, _, _ = socket.recv_fds(channel, 1, 1)
+    return socket.socket(fileno=fds[0]) if fds else None
+
+
+# -- an extra process --------------------------------------------------------------------------
+async def serve_extra(payload: dict) -> int:
+    """Join the replica's core, say ready, serve until told to stop (0) or until the core
+    dies (1)."""
+    import uvicorn
+
+    from ddserve.engine.weights import load_tokenizer
+
+    cfg = ServeConfig.model_validate(payload["config"])
+    index, count = payload["index"], payload["count"]
+    channel = socket.socket(fileno=payload["channel_fd"])
+    died = Deaths()
+    tokenizer = await asyncio.to_thread(load_tokenizer, cfg.engine.model)
+    backend = await CoreBackend.attach(
+        cfg.engine,
+        tokenizer,
+        pid=payload["core_pid"],
+        url=payload["core_url"],
+        client=index,
+        clients=count,
+        on_death=died,
+    )
+    exporter = RelayExporter(payload["metrics_fd"])
+    relay = asyncio.ensure_future(exporter.run())
+    try:
+        metered = MeteredBackend(
+            backend, exporter, drafter_depth=drafter_depth(cfg.engine.drafter.model_dump())
+        )
+        app = replica_app(metered, cfg, payload["replica_id"], (index, count))
+        server = died.server = uvicorn.Server(
+            uvicorn.Config(
+                ServeRoutes(app, backend, payload["routes"]),
+                timeout_keep_alive=payload["keep_alive_s"],
+                lifespan="off",  # as Serve runs the replica's own
+                access_log=False,
+                log_level="warning",
+            )
+        )
+        say_ready(payload)
+        sock = await asyncio.to_thread(_listener, channel)
+        if sock is not None and not died:
+            freeze_startup_heap()
+            await server.serve(sockets=[sock])
+    finally:
+        relay.cancel()
+        exporter.flush()
+        await backend.aclose()
+    return 1 if died else 0
+
+
+def main() -> int:
+    stop_on_signals()
+    payload = read_payload()
+    logging.basicConfig(level=logging.INFO)
+    label_logs(payload["index"], payload["count"])
+    try:
+        with asyncio.Runner(loop_factory=event_loop_factory()) as runner:
+            return runner.run(serve_extra(payload))
+    except KeyboardInterrupt:
+        return 0
+    except Exception as exc:
+        log.error("API process %d failed: %s", payload["index"], exc, exc_info=exc)
+        return 1

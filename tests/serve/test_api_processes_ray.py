@@ -1,0 +1,215 @@
+"""A replica with extra API processes (`api_server_count`, ddserve.serve.api_process) behind
+Ray's real HAProxy ingress: a Ray head of its own (its own temporary directory and GCS port,
+so the session's two-node cluster is untouched), `ddserve up` and `ddserve reconfig` as a
+user runs them, the official `openai` client and plain HTTP through HAProxy."""
+
+import asyncio
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from ddserve.serve.cluster import HAPROXY_ENV, session_members
+from tests.api.conftest import free_port
+
+MODEL = "tiny-random:7"
+NAME = "hpapi"
+
+
+def _ddserve(env, *args, timeout=300) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "ddserve", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def _kill_session(sid: int) -> None:
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for pid in session_members(sid):
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+        deadline = time.time() + 10
+        while session_members(sid) and time.time() < deadline:
+            time.sleep(0.2)
+
+
+@pytest.fixture(scope="module")
+def hp_app():
+    tmp = Path(tempfile.mkdtemp(prefix="ddhp", dir="/tmp"))  # short: Ray's socket paths
+    gcs, http = free_port(), free_port()
+    env = {
+        **os.environ,
+        **HAPROXY_ENV,
+        "TMPDIR": str(tmp),
+        "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+        "RAY_USAGE_STATS_ENABLED": "0",
+        "RAY_metrics_report_interval_ms": "1000",
+        "DDSERVE_THREADS": "1",
+    }
+    head = subprocess.Popen(
+        ["ray", "start", "--head", "--disable-usage-stats", "--num-cpus", "2"]
+        + ["--node-ip-address", "127.0.0.1", "--port", str(gcs), "--dashboard-port", "0"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    out, _ = head.communicate(timeout=120)
+    assert head.returncode == 0, out
+    cfg = tmp / "hp.yaml"
+    cfg.write_text(
+        f"name: {NAME}\n"
+        f"engine: {{kind: builtin, model: '{MODEL}', device: cpu, max_batch: 8}}\n"
+        f"http: {{host: 127.0.0.1, port: {http}, ingress: haproxy}}\n"
+        "api_server_count: 2\n"
+        "health: {period_s: 2, timeout_s: 30, recent_traffic_s: 1}\n"
+    )
+    address = f"127.0.0.1:{gcs}"
+    try:
+        up = _ddserve(env, "up", "--config", str(cfg), "--address", address)
+        assert up.returncode == 0, up.stdout + up.stderr
+        yield {"base": f"http://127.0.0.1:{http}", "env": env, "cfg": cfg, "address": address}
+    finally:
+        _ddserve(env, "down", "--config", str(cfg), "--address", address, timeout=120)
+        _kill_session(head.pid)
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+async def _many(base: str, path: str, n: int, body: dict | None = None) -> list[httpx.Response]:
+    async with httpx.AsyncClient(base_url=base, timeout=60) as c:
+        if body is None:
+            return await asyncio.gather(*[c.get(path) for _ in range(n)])
+        return await asyncio.gather(*[c.post(path, json=body) for _ in range(n)])
+
+
+def _processes_answering(base: str) -> Counter:
+    """Which API process answered each of many concurrent /server_info calls."""
+    seen: Counter = Counter()
+    for _ in range(10):
+        for r in asyncio.run(_many(base, "/server_info", 16)):
+            assert r.status_code == 200, r.text
+            a = r.json()["api_server"]
+            seen[(a["index"], a["count"], a["pid"])] += 1
+        if len({k[0] for k in seen}) == 2:
+            break
+    return seen
+
+
+def test_both_api_processes_serve_the_replicas_port(hp_app):
+    seen = _processes_answering(hp_app["base"])
+    assert {(i, n) for i, n, _ in seen} == {(0, 2), (1, 2)}, seen
+    assert len({pid for _, _, pid in seen}) == 2
+    # the official client, streamed, through HAProxy; every answer says the same replica
+    client = openai.OpenAI(base_url=hp_app["base"] + "/v1", api_key="none")
+    stream = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=8, stream=True
+    )
+    assert sum(1 for c in stream if c.choices and c.choices[0].delta.content) >= 1
+    rs = asyncio.run(
+        _many(
+            hp_app["base"], "/v1/completions", 16, {"model": MODEL, "prompt": "a", "max_tokens": 4}
+        )
+    )
+    assert {r.status_code for r in rs} == {200}
+    assert len({r.headers["x-ddserve-replica"] for r in rs}) == 1
+    # Serve's system routes answer on every process of the port (HAProxy's health check)
+    for r in asyncio.run(_many(hp_app["base"], "/-/healthz", 8)):
+        assert r.status_code == 200 and r.text == "success"
+
+
+def _ray_requests_total(tmpdir: str) -> float:
+    sd = Path(tmpdir) / "ray" / "session_latest" / "prom_metrics_service_discovery.json"
+    total = 0.0
+    for target in json.loads(sd.read_text())[0]["targets"]:
+        try:
+            text = httpx.get(f"http://{target}/metrics", timeout=5).text
+        except httpx.HTTPError:
+            continue
+        for line in text.splitlines():
+            if line.startswith("ray_ddserve_requests_total{") and f'application="{NAME}"' in line:
+                total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def test_metrics_of_every_process_reach_ray(hp_app):
+    tmpdir = hp_app["env"]["TMPDIR"]
+    before = _ray_requests_total(tmpdir)
+    # enough requests at once that both processes serve some (asserted by the test above)
+    body = {"model": MODEL, "prompt": "count", "max_tokens": 3}
+    rs = asyncio.run(_many(hp_app["base"], "/v1/completions", 24, body))
+    assert {r.status_code for r in rs} == {200}
+    deadline, now = time.time() + 30, before
+    while time.time() < deadline:
+        now = _ray_requests_total(tmpdir)
+        if now >= before + 24:
+            break
+        time.sleep(1)
+    # health probes may add a few; none of the 24 may be missing
+    assert now >= before + 24, (before, now)
+
+
+def test_live_reconfig_is_in_force_in_every_process(hp_app):
+    r = _ddserve(
+        hp_app["env"],
+        "reconfig",
+        "set",
+        "temperature=0.5",
+        "--config",
+        str(hp_app["cfg"]),
+        "--address",
+        hp_app["address"],
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 2}
+    fps = {
+        x.json()["system_fingerprint"]
+        for x in asyncio.run(_many(hp_app["base"], "/v1/completions", 16, body))
+    }
+    temps = Counter()
+    for x in asyncio.run(_many(hp_app["base"], "/server_info", 32)):
+        info = x.json()
+        temps[(info["api_server"]["index"], info["config"]["params"]["temperature"])] += 1
+    assert len(fps) == 1
+    assert {t for _, t in temps} == {0.5}, temps
+
+
+def test_a_dead_api_process_takes_its_replica_down_and_serve_replaces_it(hp_app):
+    seen = _processes_answering(hp_app["base"])
+    extra = next(pid for i, _, pid in seen if i == 1)
+    old = httpx.get(hp_app["base"] + "/server_info", timeout=10).headers["x-ddserve-replica"]
+    os.kill(extra, signal.SIGKILL)
+    deadline = time.time() + 120
+    new = old
+    while time.time() < deadline:
+        try:
+            r = httpx.post(
+                hp_app["base"] + "/v1/completions",
+                json={"model": MODEL, "prompt": "x", "max_tokens": 2},
+                timeout=10,
+            )
+            if r.status_code == 200:
+                new = r.headers["x-ddserve-replica"]
+                if new != old:
+                    break
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    assert new != old, "Serve did not replace the replica whose API process died"
+    seen = _processes_answering(hp_app["base"])
+    assert {i for i, _, _ in seen} == {0, 1} and extra not in {p for _, _, p in seen}
