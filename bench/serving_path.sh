@@ -6,10 +6,12 @@
 #   http    `ddserve engine` (API process + engine core process) + `ddserve bench`
 #   http-asc  the same with `--api-server-count $API_SERVERS` (4): API processes over one core
 #   ray     `ddserve up` (Serve, one replica; http.ingress proxy and haproxy) + `ddserve bench`
+#   ray-asc   `ddserve up` with the HAProxy ingress and `api_server_count: $API_SERVERS` (4):
+#             the replica's API processes over its one engine core
 # AR is the same engine with budget 0 (`/admin/params`, `ddserve reconfig set`), so every
 # path runs the same weights and graphs.
 #
-#   bench/serving_path.sh OUT [inproc] [http] [http-asc] [http-ref] [ray-proxy] [ray-haproxy]
+#   bench/serving_path.sh OUT [inproc] [http] [http-asc] [http-ref] [ray-proxy] [ray-haproxy] [ray-asc]
 # env: PY (python), LEVELS (1,16,64,128), REQ (requests per level, at least 2C is used),
 #      DEVICE (cuda), MAXB (KV slots: the largest level), PROMPTS (mixed),
 #      BUDGETS ("16 0": DDTree b16/k4, then AR; "0": AR only),
@@ -80,8 +82,10 @@ PY
         fi
         kill $pid; wait $pid 2>/dev/null
         ;;
-    ray-proxy | ray-haproxy)
+    ray-proxy | ray-haproxy | ray-asc)
         ingress=${part#ray-}
+        apis=1
+        [ $part = ray-asc ] && ingress=haproxy apis=${API_SERVERS:-4}
         cfg="$out/$part.yaml"
         cat >"$cfg" <<EOF
 name: bench
@@ -95,7 +99,8 @@ engine:
   spec_max_batch: 2
 replicas: 1
 max_ongoing_requests: $((2 * maxb))
-cpus_per_replica: 1
+api_server_count: $apis
+cpus_per_replica: $((apis + 1))
 http: {host: 127.0.0.1, port: 8000, ingress: $ingress}
 health: {period_s: 10, timeout_s: 120, recent_traffic_s: 10, engine_start_timeout_s: 900}
 EOF

@@ -3,7 +3,7 @@
     python -m ddserve.bench.serving_path_report OUT
 
 Reads OUT/inproc.json (ddserve.bench.engine_load) and OUT/<path>-<config>/bench.json
-(`ddserve bench`; http-asc: with --api-server-count; http-ref: the engine server of another checkout), OUT/<path>-<config>-C<level>/bench.json (one per level) or
+(`ddserve bench`; http-asc: with --api-server-count; http-ref: the engine server of another checkout; ray-asc: a replica with api_server_count), OUT/<path>-<config>-C<level>/bench.json (one per level) or
 OUT/<path>-<config>.json (a copied result), prints one table (tok/s, ratio to in-process, TTFT and ITL p50/p99,
 client CPU where the load generator reports it), writes OUT/serving_path.json and .png.
 """
@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 CONFIGS = {"b16k4": "dflash-b16k4", "b0": "dflash-b0"}
-PATHS = ["http", "http-asc", "http-ref", "ray-proxy", "ray-haproxy"]
+PATHS = ["http", "http-asc", "http-ref", "ray-proxy", "ray-haproxy", "ray-asc"]
 KEYS = ("output_tok_s", "ttft_ms_p50", "ttft_ms_p99", "itl_ms_p50", "itl_ms_p99")
 
 

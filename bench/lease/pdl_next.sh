@@ -1,6 +1,7 @@
 # For the next lease, what the eleventh session left unmeasured (issue 17, then issue 14).
 # Calls 1-2 are `CALL=1`/`CALL=2` of this script (carrying `.whl` + `.carry/q1`, then
-# `.carry/q2`); call 3 carries `.carry/q3` (the GGUF joined).
+# `.carry/q2`); call 3 carries `.carry/q3` (the GGUF joined). Pieces of Ray's wheel carried
+# beside them (`.carry/r1`, bench/lease/ray_asc.sh) are kept for a later call.
 #   1: GPU tests of the fused layers and the attention (the PDL chain test as the review
 #      strengthened it: cos/sin made in the graph, inputs varying per replay, the split
 #      merge), then verify steps compiled / fused-plain / fused after cos/sin moved back
@@ -10,7 +11,7 @@
 #      decode fused vs torch; issue 14's levels with the adaptive ceiling at b15/k4 (a
 #      16-row verify: the fused layers) beside b16/k4 (32 wide: torch's)
 mkdir -p /root/parts /root/res
-[ "${CALL:-3}" != 3 ] && cp .carry/q${CALL}/* /root/parts/ 2>/dev/null
+cp .carry/q?/* .carry/r?/* /root/parts/ 2>/dev/null  # whatever pieces this call carried
 . bench/device_env.sh /root/parts
 R=/root/res
 if [ "${CALL:-3}" = 1 ]; then
