@@ -24,6 +24,10 @@ ROOT = Path(__file__).parents[1]
         ("api_server_count: 0", "api_server_count=0"),
         ("api_server_count: 2", "api_server_count=2 needs http.ingress: haproxy"),
         (
+            "api_server_count: 2\nhttp: {ingress: haproxy}\nreplicas: {min: 1, max: 2}",
+            "with autoscaling replicas",
+        ),
+        (
             "api_server_count: 2\nhttp: {ingress: haproxy}\n"
             "engine: {kind: sglang, model: m, sglang: {draft_model_path: d}}",
             "only a builtin engine's replica runs extra API processes",

@@ -91,7 +91,7 @@ class ServeConfig(_Frozen):
         1,
         ge=1,
         le=64,
-        description="API processes per replica (vLLM's --api-server-count): the replica's own and N-1 more on its port, over its one engine core; HTTP, JSON and detokenisation spread over N cores. Builtin engine with http.ingress: haproxy (Serve's direct ingress) only.",
+        description="API processes per replica (vLLM's --api-server-count): the replica's own and N-1 more on its port, over its one engine core; HTTP, JSON and detokenisation spread over N cores. Builtin engine with http.ingress: haproxy (Serve's direct ingress) and a fixed replica count only (Serve's autoscaling counts a replica's own process alone).",
     )
     cpus_per_replica: float = Field(
         1.0, ge=0, description="Ray CPUs reserved per replica (its engine process included)."
@@ -118,6 +118,10 @@ class ServeConfig(_Frozen):
         if self.api_server_count > 1 and self.engine.kind != "builtin":
             raise ValueError(
                 f"api_server_count={self.api_server_count}: only a builtin engine's replica runs extra API processes (an SGLang engine serves its own HTTP); use 1"
+            )
+        if self.api_server_count > 1 and isinstance(self.replicas, Autoscaling):
+            raise ValueError(
+                f"api_server_count={self.api_server_count} with autoscaling replicas: Serve's autoscaling counts only the requests of a replica's own process, not its extra API processes' (it would see about 1/{self.api_server_count} of the load); use a fixed replica count or api_server_count: 1"
             )
         if self.api_server_count > 1 and self.http.ingress != "haproxy":
             raise ValueError(

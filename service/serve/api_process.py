@@ -34,6 +34,7 @@ import msgpack
 from ddserve.api.app import create_app, freeze_startup_heap
 from ddserve.api.observability import MeteredBackend, drafter_depth
 from ddserve.backends.api_processes import (
+    STOP_S,
     Deaths,
     Extras,
     event_loop_factory,
@@ -51,6 +52,9 @@ MODULE = "ddserve.serve.api_process"  # what an extra process runs (its `main`)
 RELAY_S = 0.1  # how often an extra process sends its metrics to the replica
 RELAY_SLICE = 128  # metric calls the replica makes for them per turn of its loop
 SOCKET_WAIT_S = 300.0  # how long a replica looks for the listening socket Serve opens
+# how long a stopping replica waits for its extra processes' streams (Serve's grace is 120 s:
+# ddserve.serve.replica.deployment_options)
+DRAIN_S = 100.0
 # idle connections kept as long as Serve's own replica server keeps them (HAProxy reuses
 # them: `http-reuse always`); Ray's default, or its variable
 KEEP_ALIVE_S = int(os.environ.get("RAY_SERVE_HTTP_KEEP_ALIVE_TIMEOUT_S") or 90)
@@ -94,19 +98,24 @@ def replica_app(backend, cfg: ServeConfig, replica_id: str, api_server: tuple[in
 
 class ServeRoutes:
     """What Serve's replica server answers besides the app, for an extra process on the
-    same port: HAProxy's health check `/-/healthz` (200 while the engine core lives) and
-    `/-/routes`."""
+    same port: HAProxy's health check `/-/healthz` and `/-/routes`. Healthy while the engine
+    core lives and the replica says nothing else: 503 once its own health check failed
+    (`unhealthy`) or it drains (`draining`), as Serve's own answer there."""
 
     def __init__(self, app, backend, routes: dict):
         self.app, self.backend = app, backend
         self.routes = json.dumps(routes).encode()
+        self.unhealthy = False
+        self.draining = False
 
     async def __call__(self, scope, receive, send):
         path = scope.get("path", "") if scope["type"] == "http" else ""
         if path == "/-/healthz":
-            ok = self.backend.process.alive()
-            body = b"success" if ok else b"engine core exited"
-            return await _answer(send, 200 if ok else 503, body, b"text/plain")
+            if self.draining:
+                return await _answer(send, 503, b"DRAINING", b"text/plain")
+            if self.unhealthy or not self.backend.alive():
+                return await _answer(send, 503, b"UNHEALTHY", b"text/plain")
+            return await _answer(send, 200, b"success", b"text/plain")
         if path == "/-/routes":
             return await _answer(send, 200, self.routes, b"application/json")
         return await self.app(scope, receive, send)
@@ -156,6 +165,9 @@ class RelayExporter:
             try:
                 sent = os.write(self.fd, self._pending)
             except BlockingIOError:
+                return
+            except OSError:  # the replica is gone: nobody to count them
+                self._pending = b""
                 return
             self._pending = self._pending[sent:]
 
@@ -236,10 +248,10 @@ class MetricsRelay:
 
 
 # -- the replica's side ----------------------------------------------------------------------
-def listening_socket(ports: range) -> int | None:
-    """The descriptor of this process's listening TCP socket on a port in `ports` (Serve's
-    replica server: it binds one port of its direct-ingress range, and Serve's API says
-    neither the port nor the socket), or None."""
+def listening_socket(ports: range) -> tuple[int, str] | None:
+    """(descriptor, inode) of this process's one listening TCP socket on a port in `ports`
+    (Serve's replica server: it binds one port of its direct-ingress range, and Serve's API
+    says neither the port nor the socket); None while there is none, or more than one."""
     wanted: set[str] = set()
     for table in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
         try:
@@ -250,22 +262,31 @@ def listening_socket(ports: range) -> int | None:
             f = line.split()
             if f[3] == "0A" and int(f[1].rsplit(":", 1)[1], 16) in ports:  # 0A: LISTEN
                 wanted.add(f[9])  # its inode
-    if not wanted:
-        return None
+    found = [(fd, inode) for fd, inode in _socket_fds() if inode in wanted]
+    return found[0] if len(found) == 1 else None
+
+
+def _socket_fds() -> list[tuple[int, str]]:
+    """(descriptor, inode) of every socket this process holds."""
+    out = []
     for name in os.listdir("/proc/self/fd"):
         try:
             link = os.readlink(f"/proc/self/fd/{name}")
         except OSError:
             continue
-        if link.startswith("socket:[") and link[8:-1] in wanted:
-            return int(name)
-    return None
+        if link.startswith("socket:["):
+            out.append((int(name), link[8:-1]))
+    return out
 
 
 class ReplicaApiProcesses:
     """A replica's extra API processes: started (and ready: joined the core, the app built)
-    during the replica's start-up, handed Serve's listening socket once it is open, watched,
-    stopped."""
+    during the replica's start-up, handed Serve's listening socket once it is open, told the
+    replica's health, drained when Serve stops accepting, stopped.
+
+    The socketpair that carries the socket then carries one byte at a time: b"U" / b"H"
+    (the replica's health check failed / passed again), b"D" (drain: stop accepting, finish
+    the streams); its end, too, drains them."""
 
     def __init__(self, cfg: ServeConfig, replica_id: str, backend: CoreBackend, exporter):
         self.cfg, self.replica_id, self.backend = cfg, replica_id, backend
@@ -273,6 +294,9 @@ class ReplicaApiProcesses:
         self.relay = MetricsRelay(exporter)
         self.extras: Extras | None = None
         self._channels: list[socket.socket] = []  # this side of each one's socketpair
+        self._healthy = True
+        self._draining = False  # told to drain: their exits are expected now
+        self._watch: asyncio.Task | None = None
         self.note = ""  # why they do not serve, when they do not
 
     async def start(self) -> None:
@@ -296,55 +320,117 @@ class ReplicaApiProcesses:
             for i, ((_, w), (_, theirs)) in enumerate(zip(pipes, pairs, strict=True), 1)
         ]
         self.extras = Extras(MODULE, payloads, None)
+        self._channels = [ours for ours, _ in pairs]
         try:
             self.extras.start()
+        except BaseException:
+            for r, _ in pipes:
+                os.close(r)
+            raise
         finally:
             for (_, w), (_, theirs) in zip(pipes, pairs, strict=True):
                 os.close(w)
                 theirs.close()
-        self._channels = [ours for ours, _ in pairs]
         for r, _ in pipes:
             self.relay.attach(r)
         await asyncio.to_thread(self.extras.wait_ready)
 
     async def listen(self, ports: range) -> bool:
         """Once Serve listens on this replica's port (after __init__ and the first
-        reconfigure), hand each extra process the socket. False (`note` says why, and they
-        are stopped) when Serve opens none here within SOCKET_WAIT_S."""
+        reconfigure), hand each extra process the socket, and drain them once Serve closes
+        its own (its graceful shutdown: the port must refuse new connections, so HAProxy
+        tries another replica). False (`note` says why, and they are stopped) when Serve
+        opens none here within SOCKET_WAIT_S."""
         deadline = time.monotonic() + SOCKET_WAIT_S
-        fd = listening_socket(ports)
-        while fd is None:
+        found = listening_socket(ports)
+        while found is None:
             if time.monotonic() > deadline:
                 self.note = (
-                    f"no listening socket of Serve's direct ingress (ports {ports.start}-"
-                    f"{ports.stop - 1}) in {SOCKET_WAIT_S:.0f}s: this replica serves with one "
-                    "API process (api_server_count needs Ray's HAProxy ingress)"
+                    f"no single listening socket of Serve's direct ingress (ports "
+                    f"{ports.start}-{ports.stop - 1}) in {SOCKET_WAIT_S:.0f}s: this replica "
+                    "serves with one API process (api_server_count needs Ray's HAProxy ingress)"
                 )
                 await asyncio.to_thread(self.stop)
                 return False
             await asyncio.sleep(0.05)
-            fd = listening_socket(ports)
-        for channel in self._channels:
-            socket.send_fds(channel, [b"L"], [fd])
+            found = listening_socket(ports)
+        fd, inode = found
+        for i, channel in enumerate(self._channels, 1):
+            try:
+                socket.send_fds(channel, [b"L"], [fd])
+            except OSError as exc:  # that one is gone: the watchdog takes the replica down
+                log.error("API process %d: the socket could not be handed over: %s", i, exc)
+        self._watch = asyncio.get_running_loop().create_task(self._drain_with_serve(inode))
         return True
 
-    def dead(self) -> str | None:
-        return self.extras.dead() if self.extras else None
+    async def _drain_with_serve(self, inode: str) -> None:
+        while any(i == inode for _, i in _socket_fds()):
+            await asyncio.sleep(0.25)
+        log.info("Serve stopped accepting on this replica: draining its API processes")
+        self._draining = True
+        self._tell(b"D")
 
-    def stop(self) -> None:
-        """Graceful: no new connections, their streams finish (before the engine stops)."""
-        for channel in self._channels:  # one still waiting for the socket exits at once
+    def set_healthy(self, ok: bool) -> None:
+        """The replica's health check's verdict, for the extra processes' `/-/healthz`."""
+        if ok != self._healthy:
+            self._healthy = ok
+            self._tell(b"H" if ok else b"U")
+
+    def _tell(self, state: bytes) -> None:
+        for channel in self._channels:
+            try:
+                channel.send(state, socket.MSG_DONTWAIT)
+            except OSError:
+                pass
+
+    def dead(self) -> str | None:
+        """Why one of them is gone, while none should be."""
+        return self.extras.dead() if self.extras and not self._draining else None
+
+    def stop(self, grace_s: float = STOP_S) -> None:
+        """Graceful: no new connections, their streams finish (before the engine stops),
+        within `grace_s`."""
+        if self._watch is not None:
+            self._watch.cancel()
+        for channel in self._channels:  # each drains (one still waiting for the socket exits)
             channel.close()
         self._channels = []
         extras, self.extras = self.extras, None
         if extras is not None:
-            extras.stop()
+            extras.stop(grace_s)
 
 
 def _listener(channel: socket.socket) -> socket.socket | None:
     """The listening socket the replica hands over, or None when it closed the channel."""
     _, fds, _, _ = socket.recv_fds(channel, 1, 1)
     return socket.socket(fileno=fds[0]) if fds else None
+
+
+def _follow(channel: socket.socket, routes: ServeRoutes, server) -> None:
+    """Apply the replica's word on the channel (ReplicaApiProcesses): health, or drain (its
+    end closed drains too)."""
+    channel.setblocking(False)
+    loop = asyncio.get_running_loop()
+
+    def read() -> None:
+        try:
+            data = channel.recv(64)
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""
+        for state in data:
+            if state == ord("U"):
+                routes.unhealthy = True
+            elif state == ord("H"):
+                routes.unhealthy = False
+            elif state == ord("D"):
+                routes.draining = server.should_exit = True
+        if not data:
+            loop.remove_reader(channel.fileno())
+            routes.draining = server.should_exit = True
+
+    loop.add_reader(channel.fileno(), read)
 
 
 # -- an extra process --------------------------------------------------------------------------
@@ -376,11 +462,11 @@ async def serve_extra(payload: dict) -> int:
             backend, exporter, drafter_depth=drafter_depth(cfg.engine.drafter.model_dump())
         )
         app = replica_app(metered, cfg, payload["replica_id"], (index, count))
+        routes = ServeRoutes(app, backend, payload["routes"])
         server = died.server = uvicorn.Server(
             uvicorn.Config(
-                ServeRoutes(app, backend, payload["routes"]),
+                routes,
                 timeout_keep_alive=payload["keep_alive_s"],
-                lifespan="off",  # as Serve runs the replica's own
                 access_log=False,
                 log_level="warning",
             )
@@ -388,6 +474,7 @@ async def serve_extra(payload: dict) -> int:
         say_ready(payload)
         sock = await asyncio.to_thread(_listener, channel)
         if sock is not None and not died:
+            _follow(channel, routes, server)
             freeze_startup_heap()
             await server.serve(sockets=[sock])
     finally:

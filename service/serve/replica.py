@@ -35,7 +35,7 @@ from ddserve.backends.remote import RemoteBackend
 from ddserve.config.deploy import Autoscaling, ServeConfig
 from ddserve.engine.sampling import SamplingParams
 from ddserve.errors import DDServeError, EngineError, EngineUnavailable
-from ddserve.serve.api_process import ReplicaApiProcesses, replica_app
+from ddserve.serve.api_process import DRAIN_S, ReplicaApiProcesses, replica_app
 from ddserve.serve.metrics import RayExporter, poll_engine_load
 from ddserve.serve.registry import ReplicaRecord, ReplicaState, drop, publish
 
@@ -136,12 +136,13 @@ class EngineReplica:
 
         lo = constants.RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT
         hi = constants.RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT
+        pids = self.api.extras.pids if self.api.extras else []
         if await self.api.listen(range(lo, hi + 1)):
             log.info(
                 "replica %s: %d API processes (pids %s and this one)",
                 self.replica_id,
                 self.cfg.api_server_count,
-                self.api.extras.pids,
+                pids,
             )
         else:
             log.warning("replica %s: %s", self.replica_id, self.api.note)
@@ -251,14 +252,18 @@ class EngineReplica:
                 await self.backend.check_health(timeout=self.cfg.health.timeout_s)
             except EngineUnavailable as exc:
                 self._publish(ReplicaState.UNHEALTHY, exc.message)
+                if self.api is not None:  # their /-/healthz says so too (HAProxy asks them)
+                    self.api.set_healthy(False)
                 raise
+        if self.api is not None:
+            self.api.set_healthy(True)
         self.healthy_at = time.time()
         self._publish(ReplicaState.RUNNING)
 
     async def __del__(self):
         api = getattr(self, "api", None)
         if api is not None:  # their streams finish first: they need the engine
-            await asyncio.to_thread(api.stop)
+            await asyncio.to_thread(api.stop, DRAIN_S)
         engine = getattr(self, "engine", None)
         if engine is not None:
             await asyncio.to_thread(engine.stop)

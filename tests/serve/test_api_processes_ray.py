@@ -213,3 +213,52 @@ def test_a_dead_api_process_takes_its_replica_down_and_serve_replaces_it(hp_app)
     assert new != old, "Serve did not replace the replica whose API process died"
     seen = _processes_answering(hp_app["base"])
     assert {i for i, _, _ in seen} == {0, 1} and extra not in {p for _, _, p in seen}
+
+
+def test_deleting_the_app_lets_every_process_finish_its_streams(hp_app):
+    """Last in the module: `ddserve down` while streams run on every process; each ends with
+    its finish and all its tokens (the extra processes drain once Serve stops accepting, and
+    their exits then do not take the replica down under the replica's own streams)."""
+    body = {
+        "model": MODEL,
+        "prompt": "go",
+        "max_tokens": 300,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+
+    async def one(c):
+        usage, finish = None, None
+        async with c.stream("POST", "/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            async for line in r.aiter_lines():
+                if line.startswith("data: {"):
+                    d = json.loads(line[6:])
+                    for ch in d.get("choices", []):
+                        finish = ch.get("finish_reason") or finish
+                    usage = d.get("usage") or usage
+        return finish, (usage or {}).get("completion_tokens")
+
+    async def main():
+        async with httpx.AsyncClient(base_url=hp_app["base"], timeout=120) as c:
+            streams = [asyncio.ensure_future(one(c)) for _ in range(8)]
+            await asyncio.sleep(1.0)
+            down = asyncio.ensure_future(
+                asyncio.to_thread(
+                    _ddserve,
+                    hp_app["env"],
+                    "down",
+                    "--config",
+                    str(hp_app["cfg"]),
+                    "--address",
+                    hp_app["address"],
+                )
+            )
+            return await asyncio.gather(*streams), await down
+
+    seen = _processes_answering(hp_app["base"])
+    assert {i for i, _, _ in seen} == {0, 1}
+    results, down = asyncio.run(main())
+    assert down.returncode == 0, down.stdout + down.stderr
+    assert results == [("length", 300)] * 8, results
