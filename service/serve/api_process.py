@@ -389,9 +389,8 @@ class ReplicaApiProcesses:
 
     def stop(self, grace_s: float = STOP_S) -> None:
         """Graceful: no new connections, their streams finish (before the engine stops),
-        within `grace_s`."""
-        if self._watch is not None:
-            self._watch.cancel()
+        within `grace_s`. (Called in a thread: the drain watch is left to end with the
+        replica; with no channel left it tells no one.)"""
         for channel in self._channels:  # each drains (one still waiting for the socket exits)
             channel.close()
         self._channels = []
