@@ -143,18 +143,24 @@ def test_fused_layers_choice():
             fused_layers_on("on", dev, fp32)
 
 
-@pytest.mark.skipif(
-    not CUDA or torch.cuda.get_device_capability()[0] < 9,
-    reason="programmatic dependent launch needs a Hopper-or-later GPU",
-)
-@pytest.mark.parametrize("tuned", [False, True], ids=["defaults", "blocks"])
-def test_pdl_chain_equals_serial_launches(tuned):
-    """Twelve fused layers (triton attention, its keys split: the merge kernel in the chain)
-    in one CUDA graph, with programmatic dependent launch and L2 prefetches and without
-    either: the same bits in the output and in every pool after each of 20 replays. Each
-    replay gets new tokens, committed lengths and write positions (copied in, as the engine
-    does) and RoPE's cos/sin computed inside the graph just before the first layer, so a
-    kernel that read before its predecessors' writes were visible would differ."""
+def pdl_chain_replays(
+    pdl: bool,
+    prefetch: bool,
+    *,
+    real_warmup: bool = True,
+    fixed_cos: bool = False,
+    same_inputs: bool = False,
+) -> list[tuple[torch.Tensor, ...]]:
+    """Twelve fused bf16 layers (triton attention, its keys split: the merge kernel in the
+    chain) in one CUDA graph, launched with `pdl` and `prefetch` as given, replayed 20 times;
+    per replay, (output, *pools). Every call builds the same layers, pools and inputs (fixed
+    seeds). Each replay gets new tokens, committed lengths and write positions (copied in,
+    as the engine does) and RoPE's cos/sin computed inside the graph just before the first
+    layer. The warm-up runs on the first replay's inputs: with every write position 0, a
+    row's two tokens would store their keys to one position, and which store wins is
+    undefined (`real_warmup=False` does that, as a diagnosis: ddserve.bench.pdl_check, as
+    are `fixed_cos`, cos/sin made once outside the graph, and `same_inputs`, every replay
+    the first one's)."""
     dt = torch.bfloat16
     layers = [random_block(False, dt, seed=i, head_dim=64) for i in range(12)]
     c = layers[0].cfg
@@ -173,49 +179,64 @@ def test_pdl_chain_equals_serial_launches(tuned):
     for _ in range(20):
         p = torch.randint(8, length - w - 1, (b,), generator=gen)
         x = torch.randn(b * w, c.hidden_size, generator=gen).to(dt)
-        steps.append((p.to(DEV), (p[:, None] + torch.arange(w)).to(DEV), x.to(DEV)))
+        if same_inputs and steps:
+            steps.append(steps[0])
+        else:
+            steps.append((p.to(DEV), (p[:, None] + torch.arange(w)).to(DEV), x.to(DEV)))
+    cos_sin = rotary(steps[0][1].reshape(-1), dt)
 
     def chain(pools):
-        cos, sin = rotary(wpos.reshape(-1), dt)  # kernels right before the first layer
+        # kernels right before the first layer
+        cos, sin = cos_sin if fixed_cos else rotary(wpos.reshape(-1), dt)
         x = x_in
         for i, block in enumerate(layers):
             kc, vc = pools[2 * i], pools[2 * i + 1]
             x = fused_layer_step(block, x, cos, sin, kc, vc, rows, wpos, attn, True)
         return x
 
-    if tuned:
-        layer_triton.TUNE.update(BLOCKS)
-    results = {}
+    layer_triton.PDL, layer_triton.PREFETCH = pdl, prefetch
     try:
-        for overlap in (False, True):
-            layer_triton.PDL = layer_triton.PREFETCH = overlap
-            pools = [p.clone() for p in pools0]
-            # the warm-up runs on real inputs: with every write position 0, a row's two
-            # tokens would store their keys to one position, and which store wins is
-            # undefined (it could differ between the two builds, and position 0 stays a
-            # committed key of every replay)
+        pools = [p.clone() for p in pools0]
+        if real_warmup:
             past.copy_(steps[0][0])
             wpos.copy_(steps[0][1])
             x_in.copy_(steps[0][2])
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                chain(pools)
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                out = chain(pools)
-            seen = []
-            for p, wp, x in steps:
-                past.copy_(p)
-                wpos.copy_(wp)
-                x_in.copy_(x)
-                graph.replay()
-                seen.append((out.clone(), *(t.clone() for t in pools)))
-            torch.cuda.synchronize()
-            results[overlap] = seen
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            chain(pools)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = chain(pools)
+        seen = []
+        for p, wp, x in steps:
+            past.copy_(p)
+            wpos.copy_(wp)
+            x_in.copy_(x)
+            graph.replay()
+            seen.append((out.clone(), *(t.clone() for t in pools)))
+        torch.cuda.synchronize()
+        return seen
     finally:
         layer_triton.PDL = layer_triton.PREFETCH = None
+
+
+@pytest.mark.skipif(
+    not CUDA or torch.cuda.get_device_capability()[0] < 9,
+    reason="programmatic dependent launch needs a Hopper-or-later GPU",
+)
+@pytest.mark.parametrize("tuned", [False, True], ids=["defaults", "blocks"])
+def test_pdl_chain_equals_serial_launches(tuned):
+    """The chain of `pdl_chain_replays` with programmatic dependent launch and L2
+    prefetches and without either: the same bits in the output and in every pool after each
+    of 20 replays, so a kernel that read before its predecessors' writes were visible would
+    differ."""
+    if tuned:
+        layer_triton.TUNE.update(BLOCKS)
+    try:
+        results = {overlap: pdl_chain_replays(overlap, overlap) for overlap in (False, True)}
+    finally:
         layer_triton.TUNE.clear()
     for serial, overlapped in zip(results[False], results[True], strict=True):
         for a, b_ in zip(serial, overlapped, strict=True):
