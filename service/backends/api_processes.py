@@ -12,6 +12,7 @@ hands each new connection to whichever process accepts it first.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
@@ -20,6 +21,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Awaitable, Callable
 
 from ddserve.backends.process import die_with_parent
 from ddserve.errors import EngineUnavailable
@@ -37,9 +39,9 @@ def entry(module: str) -> str:
 
 class Extras:
     """The N-1 extra API processes of a server. `payloads[i]` is what process i + 1 serves;
-    each also gets "fd" (the listening socket, unless it is None: it comes later) and
-    "ready_fd" (a pipe it writes one byte to once it serves), and the descriptors listed
-    under its "pass_fds"."""
+    each also gets "index" (i + 1), "count" (N), "fd" (the listening socket, unless it is
+    None: it comes later) and "ready_fd" (a pipe it writes one byte to once it serves), and
+    the descriptors listed under its "pass_fds"; "log_level" (default info) is its logs'."""
 
     def __init__(self, module: str, payloads: list[dict], fd: int | None):
         self.module, self.payloads, self.fd = module, payloads, fd
@@ -47,9 +49,10 @@ class Extras:
         self._ready: list[int] = []
 
     def start(self) -> None:
-        for payload in self.payloads:
+        count = len(self.payloads) + 1
+        for index, payload in enumerate(self.payloads, 1):
             r, w = os.pipe()
-            payload = {**payload, "fd": self.fd, "ready_fd": w}
+            payload = {**payload, "index": index, "count": count, "fd": self.fd, "ready_fd": w}
             env = {**os.environ, SPEC_ENV: json.dumps(payload)}
             try:
                 proc = subprocess.Popen(
@@ -112,10 +115,22 @@ class Extras:
                 proc.wait(5)
 
 
-def read_payload() -> dict:
-    """This extra process's payload (taken out of the environment: its children do not see
-    it)."""
-    return json.loads(os.environ.pop(SPEC_ENV))
+def run_extra(serve: Callable[[dict], Awaitable[int]], log: logging.Logger) -> int:
+    """An extra process's whole life (its entry's `main`): its payload (taken out of the
+    environment: its children do not see it), logs that say which process it is, `serve`
+    on uvloop where there is one; its exit code (1 when it failed)."""
+    stop_on_signals()
+    payload = json.loads(os.environ.pop(SPEC_ENV))
+    logging.basicConfig(level=payload.get("log_level", "info").upper())
+    label_logs(payload["index"], payload["count"])
+    try:
+        with asyncio.Runner(loop_factory=event_loop_factory()) as runner:
+            return runner.run(serve(payload))
+    except KeyboardInterrupt:
+        return 0
+    except Exception as exc:
+        log.error("API process %d failed: %s", payload["index"], exc, exc_info=exc)
+        return 1
 
 
 def say_ready(payload: dict) -> None:

@@ -32,11 +32,9 @@ from ddserve.api.limits import ServerLimits
 from ddserve.backends.api_processes import (
     Deaths,
     Extras,
-    event_loop_factory,
     label_logs,
-    read_payload,
+    run_extra,
     say_ready,
-    stop_on_signals,
 )
 from ddserve.config.engine import EngineConfig
 
@@ -128,6 +126,7 @@ async def serve_first(spec: ApiServer, config: EngineConfig, sock: socket.socket
                 [
                     {
                         "server": asdict(spec) | {"index": i},
+                        "log_level": spec.log_level,
                         "config": config.model_dump(mode="json"),
                         "core_pid": backend.process.pid,
                         "core_url": backend.url,
@@ -212,16 +211,4 @@ async def serve_extra(payload: dict) -> int:
 
 
 def main() -> int:
-    stop_on_signals()
-    spec = read_payload()
-    server = spec["server"]
-    logging.basicConfig(level=server["log_level"].upper())
-    label_logs(server["index"], server["count"])
-    try:
-        with asyncio.Runner(loop_factory=event_loop_factory()) as runner:
-            return runner.run(serve_extra(spec))
-    except KeyboardInterrupt:
-        return 0
-    except Exception as exc:
-        log.error("API process %d failed: %s", server["index"], exc, exc_info=exc)
-        return 1
+    return run_extra(serve_extra, log)

@@ -37,11 +37,8 @@ from ddserve.backends.api_processes import (
     STOP_S,
     Deaths,
     Extras,
-    event_loop_factory,
-    label_logs,
-    read_payload,
+    run_extra,
     say_ready,
-    stop_on_signals,
 )
 from ddserve.backends.core import CoreBackend
 from ddserve.config.deploy import ServeConfig
@@ -307,8 +304,6 @@ class ReplicaApiProcesses:
             {
                 "config": self.cfg.model_dump(mode="json"),
                 "replica_id": self.replica_id,
-                "index": i,
-                "count": self.count,
                 "core_pid": self.backend.process.pid,
                 "core_url": self.backend.url,
                 "metrics_fd": w,
@@ -484,15 +479,4 @@ async def serve_extra(payload: dict) -> int:
 
 
 def main() -> int:
-    stop_on_signals()
-    payload = read_payload()
-    logging.basicConfig(level=logging.INFO)
-    label_logs(payload["index"], payload["count"])
-    try:
-        with asyncio.Runner(loop_factory=event_loop_factory()) as runner:
-            return runner.run(serve_extra(payload))
-    except KeyboardInterrupt:
-        return 0
-    except Exception as exc:
-        log.error("API process %d failed: %s", payload["index"], exc, exc_info=exc)
-        return 1
+    return run_extra(serve_extra, log)
