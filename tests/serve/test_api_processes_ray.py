@@ -99,15 +99,20 @@ async def _many(base: str, path: str, n: int, body: dict | None = None) -> list[
 
 
 def _processes_answering(base: str) -> Counter:
-    """Which API process answered each of many concurrent /server_info calls."""
+    """Which API process answered each of many concurrent /server_info calls, asked until
+    both have answered or 60 s have passed (a replica just started hands its socket to the
+    extra process a moment after Serve routes to it; on a loaded 2-core CI machine that
+    moment was longer than ten quick rounds)."""
     seen: Counter = Counter()
-    for _ in range(10):
+    deadline = time.time() + 60
+    while time.time() < deadline:
         for r in asyncio.run(_many(base, "/server_info", 16)):
             assert r.status_code == 200, r.text
             a = r.json()["api_server"]
             seen[(a["index"], a["count"], a["pid"])] += 1
         if len({k[0] for k in seen}) == 2:
             break
+        time.sleep(0.5)
     return seen
 
 
