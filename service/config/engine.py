@@ -323,6 +323,12 @@ class EngineConfig(_Frozen):
         description="While requests decode, a round's prompt chunk is sized to take about this many of their decode steps, measured on this engine's own rounds (ddserve.engine.prefill_pacing), within --chunked-prefill-size: a round that admits a long prompt then takes about 1 + this many steps, whatever the model, GPU or context length. The default keeps running streams' ITL p99 under 3x their p50 while a long prompt is admitted (on an H200, 2.5-2.6x at 1.5 against 3.0-3.7x at 2); 2 admits long prompts sooner (a 7,200-token prompt's first token ~35% earlier; 16 concurrent ~2,900-token prompts 0.47x of short prompts' throughput against 0.37x). 0 = the token cap alone.",
         json_schema_extra={"flag": "--chunked-prefill-steps"},
     )
+    decode_log_interval: int = Field(
+        40,
+        ge=0,
+        description="Every this many engine rounds the builtin engine logs one line (SGLang's --decode-log-interval and its 'Decode batch.' line): running and queued requests, generated tokens per second, and those rounds' mean times: rounds that only decode, and rounds that prefill a chunk of joining prompts (the chunk, its prompt tokens, then the decode step). 0 = no such line.",
+        json_schema_extra={"flag": "--decode-log-interval"},
+    )
     stream_interval: int = Field(
         1,
         ge=1,

@@ -37,6 +37,7 @@ from ddserve.engine.adaptive import SpecPolicy, candidates
 from ddserve.engine.build import build_engine
 from ddserve.engine.drafters import NoDrafter
 from ddserve.engine.prefill_pacing import PrefillPacer
+from ddserve.engine.round_log import RoundLog
 from ddserve.engine.sampling import Logprobs, RequestStats, SamplingParams
 from ddserve.engine.sequence import Sequence
 from ddserve.engine.static_engine import StaticEngine
@@ -136,6 +137,7 @@ class EngineRunner:
         self.last_budget = 0  # the budget of the last round (a gauge)
         # prompt tokens a round prefills while others decode (chunked prefill, paced by time)
         self.pacer = PrefillPacer(config.chunked_prefill_size, config.chunked_prefill_steps)
+        self.round_log = RoundLog(config.decode_log_interval)  # the scheduler's log line
 
     # -- lifecycle --------------------------------------------------------------------
     def start(self) -> None:
@@ -351,6 +353,7 @@ class EngineRunner:
         """One round of every request in `reqs`, their trees verified in one forward. New
         requests are prefilled first (continuous batching: join and leave between rounds)."""
         ready, joining = [], []
+        chunk = [0, 0.0]  # prompt tokens prefilled this round, in seconds (the scheduler log)
         for req in reqs:
             if req.cancelled or req.failed:
                 continue
@@ -370,6 +373,7 @@ class EngineRunner:
             t0 = time.perf_counter()
             try:
                 spent = self.engine.prefill_batch([r.seq for r in joining], budget)
+                chunk = [spent, time.perf_counter() - t0]
                 # paced chunks only, and only those that filled most of their budget (a
                 # prompt's padded tail, or a short one alone, costs a chunk's time for fewer
                 # tokens)
@@ -393,6 +397,7 @@ class EngineRunner:
                     req.prefilled = True
                     ready.append(req)
         if not ready:
+            self._log_round(chunk, 0.0, 0)
             return
         live, limit = params, self.config.spec_max_batch
         budget, rows = params.budget, self._rows(len(ready))
@@ -406,7 +411,9 @@ class EngineRunner:
         t0 = time.perf_counter()
         try:
             news = self.engine.step_batch([r.seq for r in ready], params)
-            self.pacer.stepped(time.perf_counter() - t0)
+            step_s = time.perf_counter() - t0
+            self.pacer.stepped(step_s)
+            self._log_round(chunk, step_s, sum(len(n) for n in news if isinstance(n, list)))
         except Exception:
             if self.policy is not None:
                 self._adapt("failed", rows, budget)
@@ -439,6 +446,11 @@ class EngineRunner:
             req.deliver(
                 StepOutput(new, seq.finished, seq.finish_reason, fingerprint, seq.stats, lp)
             )
+
+    def _log_round(self, chunk: list, step_s: float, new_tokens: int) -> None:
+        self.round_log.record(
+            chunk[0], chunk[1], step_s, new_tokens, len(self._active), len(self._pending)
+        )
 
     def _rows(self, ready: int) -> int:
         """The rows a round of `ready` requests verifies: the static engine's forward covers
