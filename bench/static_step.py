@@ -8,7 +8,8 @@ replay time, host time around it, kernels per step, and the floors.
 For each mode (eager: no graph; graph: CUDA graph of the eager kernels; compile: CUDA graph
 of the torch.compile'd layers; fused: CUDA graph of the fused triton layers of
 ddserve.engine.layer_triton, compiled layers above its row limit; fused-nopdl: the same
-without programmatic dependent launch; fused-plain: without it and the L2 prefetches) and
+without programmatic dependent launch; fused-plain: without it and the L2 prefetches;
+fused-overlap: with both, whatever the engine's default, layer_triton.OVERLAP_AUTO) and
 (B, W): the GPU time of one step (CUDA events over 50
 replays), the full call as the engine makes it (pack inputs, copy, replay, read argmax back),
 the kernels one step launches (profiler, eager/compiled run), and the floor: weights + the
@@ -177,9 +178,11 @@ def main() -> None:
             from ddserve.engine import layer_triton
 
             # fused-nopdl: the same kernels without programmatic dependent launch;
-            # fused-plain: without it and without the L2 prefetches
-            layer_triton.PDL = False if mode in ("fused-nopdl", "fused-plain") else None
-            layer_triton.PREFETCH = False if mode == "fused-plain" else None
+            # fused-plain: without it and without the L2 prefetches; fused-overlap: with both
+            # (fused: the engine's choice, layer_triton.OVERLAP_AUTO)
+            on = True if mode == "fused-overlap" else None
+            layer_triton.PDL = False if mode in ("fused-nopdl", "fused-plain") else on
+            layer_triton.PREFETCH = False if mode == "fused-plain" else on
 
             if a.fused_tune:  # the best launch parameters of a bench.layer_kernels run
                 from ddserve.bench.tuned import apply_tune
