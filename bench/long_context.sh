@@ -16,7 +16,7 @@
 #   bench/long_context.sh OUT [before] [after] [capped] [paced]
 # env: PY (python3), DEVICE (cuda), LENGTHS (30,1000,2900,7200; "" = admission only),
 #      LEVELS (1,16), REQ (32), MAXB (16), ADMISSION_ARGS (flags of bench/admission.py),
-#      STEPS (paced: --chunked-prefill-steps, 1.5)
+#      STEPS (paced: --chunked-prefill-steps, 1.5), ADMIT (0: no admission run)
 set -u
 out=$1
 shift
@@ -58,8 +58,9 @@ for part in $parts; do
                 rm -f "$out/$part-p$n.prom"
         done
         # shellcheck disable=SC2086
-        $py -m ddserve.bench.admission --url "http://127.0.0.1:$port" $admission_args \
-            --out "$out/$part-admission.json" | grep -E "ttft|p99_over|max_over|running|longest"
+        [ "${ADMIT:-1}" = 0 ] || $py -m ddserve.bench.admission --url "http://127.0.0.1:$port" \
+            $admission_args --out "$out/$part-admission.json" |
+            grep -E "ttft|p99_over|max_over|running|longest"
     else
         echo "$part: engine did not come up"; tail -5 "$out/$part-engine.log"
     fi
