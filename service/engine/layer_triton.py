@@ -247,17 +247,18 @@ TUNE: dict[tuple[str, int], tuple[int, int, int, int]] = {}
 # session": a verify step at 256 keys 0.93-0.99x of plain launches for 1-4 requests, 0.98-
 # 1.02x for 16; at 4,096 keys 0.92-1.08x, four shapes of six above 1); True / False:
 # benchmarks' side-by-side switches.
-# OVERLAP_AUTO: None's answer is off for now. The GPU test of the chain (twelve layers under
-# a graph, PDL + prefetch against serial launches, inputs varying per replay, cos/sin made in
-# the graph, the split merge) did not give the same bits on the H200 (twelfth session), and
-# until `python -m ddserve.bench.pdl_check` says why, a 4-6% faster step is not worth a
-# doubt about the outputs. The engine's fp32 greedy test on the fused layers passed either
-# way. The likeliest cause, found by reading after the lease: the test's warm-up ran with
-# every write position 0, so a row's two tokens stored their keys to one position, the
-# winning store undefined (the test now warms up on real inputs; not yet run on a GPU).
+# OVERLAP_AUTO: None's answer. Off in the twelfth session, when the GPU test of the chain
+# (twelve layers under a graph, PDL + prefetch against serial launches, inputs varying per
+# replay, cos/sin made in the graph, the split merge) did not give the same bits on the H200;
+# the cause was the test's warm-up (every write position 0: a row's two tokens stored their
+# keys to one position, the winning store undefined). With a real warm-up (thirteenth
+# session, H200): the GPU tests passed (56) and `python -m ddserve.bench.pdl_check` gave equal
+# bits in all 16 runs (serial, PDL, prefetch, both x zero/real warm-up x fixed cos x same
+# inputs); verify steps at 256 keys, fused with overlap against without: 1 request 0.95x
+# (width 1) / 0.96x (16), 4 requests 0.96x / 1.00x, 16 requests 1.05x / 1.00x.
 PDL: bool | None = None
 PREFETCH: bool | None = None
-OVERLAP_AUTO = False
+OVERLAP_AUTO = True
 OVERLAP_MAX_CTX = 512
 
 
