@@ -34,9 +34,8 @@ def test_the_chunk_takes_about_steps_decode_steps():
 
 
 def test_it_follows_the_cost_as_the_context_grows():
-    """Later chunks of a long prompt read more keys: the chunk shrinks as they cost more;
-    a cost per token that falls with larger chunks lets it grow back (it settles where a
-    chunk costs `steps` decode steps)."""
+    """Later chunks of a long prompt read more keys: the chunk shrinks as they cost more
+    (no fixed part here: it settles where a chunk costs `steps` decode steps)."""
     p = PrefillPacer(-1, 1.0)
     p.stepped(0.008)
     sizes = []
@@ -44,7 +43,7 @@ def test_it_follows_the_cost_as_the_context_grows():
         n = p.budget(decoding=True)
         p.prefilled(n, n * per_token)
         sizes.append(p.budget(decoding=True))
-    assert sizes[0] > sizes[1] > sizes[2] > sizes[-1] and sizes[-1] in range(500, 600)
+    assert sizes[0] > sizes[1] > sizes[2] and sizes[-1] in range(500, 600), sizes
     # a fixed 1 ms per forward plus 2 us a token: chunk time converges to one 4 ms step
     p = PrefillPacer(-1, 1.0)
     p.stepped(0.004)
@@ -53,6 +52,47 @@ def test_it_follows_the_cost_as_the_context_grows():
         p.prefilled(n, 0.001 + n * 2e-6)
     n = p.budget(decoding=True)
     assert abs((0.001 + n * 2e-6) - 0.004) < 0.0002, n
+    assert p.fixed_s == pytest.approx(0.001, rel=0.05)
+
+
+WIDTHS = (16, 64, 256, 512, 1024, 2048)  # the static engine's chunk widths on a GPU
+
+
+def _paced_chunks(p: PrefillPacer, cost, rounds: int = 40) -> list[int]:
+    """The chunks a long prompt goes in by, as the static engine takes them: the widest chunk
+    width within the round's budget (StaticEngine._prefill_rows), costing cost(width)."""
+    taken = []
+    for _ in range(rounds):
+        budget = p.budget(decoding=True)
+        w = max([c for c in WIDTHS if c <= budget] or [WIDTHS[0]])
+        if 2 * w >= budget:  # as the runner: only chunks that filled most of their budget
+            p.prefilled(w, cost(w))
+        taken.append(w)
+    return taken
+
+
+def test_a_fixed_cost_per_forward_does_not_hold_chunks_at_the_narrowest_width():
+    """Under CUDA graphs a chunk forward costs ~1.2 ms whatever its width plus ~3.3 us a token
+    (the H200 at ~3k keys) next to a ~2 ms decode step. With 1.5 steps (3 ms) a 512-token
+    chunk fits (2.9 ms) and a 1,024-token one does not (4.6 ms): the pacer must settle at 512.
+    Sized by time per token alone, a 256-token chunk (2.0 ms, 7.8 us a token) asked for 394
+    tokens, which the engine takes as 256 again: every long prompt went in 256 at a time."""
+    p = PrefillPacer(2048, 1.5)
+    for _ in range(3):
+        p.stepped(0.002)
+    taken = _paced_chunks(p, lambda n: 0.0012 + 3.3e-6 * n)
+    assert taken[-20:] == [512] * 20, taken
+    assert p.fixed_s == pytest.approx(0.0012, rel=0.1)
+    # at most one chunk over the target, the one that found the fixed part (2x the first)
+    assert sum(1 for w in taken if 0.0012 + 3.3e-6 * w > 2 * 0.003) == 0
+    # a cheaper step (fewer running requests) asks for less: 1.5 x 1.2 ms = 1.8 ms fits 256
+    for _ in range(10):
+        p.stepped(0.0012)
+    assert _paced_chunks(p, lambda n: 0.0012 + 3.3e-6 * n, 10)[-5:] == [256] * 5
+    # where the fixed part is small, the budget is what the step time buys in tokens
+    p = PrefillPacer(2048, 1.5)
+    p.stepped(0.002)
+    assert _paced_chunks(p, lambda n: 1e-5 + 2.9e-6 * n)[-10:] == [1024] * 10
 
 
 def test_no_pacing_keeps_the_token_cap():
