@@ -4,23 +4,25 @@ While requests decode, every round that also prefills a newcomer's prompt makes 
 that prefill: a 2,048-token chunk at ~5k keys cost ~10 ms next to a ~2 ms decode step on the
 H200, so the running streams saw an 8x gap. A fixed token cap (`--chunked-prefill-size`, as
 SGLang's) cannot fit every model, GPU and context length; here the chunk is sized from this
-engine's own measured rounds instead, so that it takes `steps` decode steps:
+engine's own measured rounds instead, to take about `steps` decode steps (the target):
 
-    chunk time = fixed + per_token x tokens        tokens = (steps x step - fixed) / per_token
+  * chunks taken while others decoded are measured by size class (a power of two of tokens:
+    their tokens and seconds as moving averages; a class not measured lately is dropped);
+  * the next chunk's size is read off the measured sizes that bracket the target: between the
+    largest that took at most the target and the next larger one that took more, on the line
+    through the two; where nothing larger was measured, twice the largest that fitted (a
+    chunk's time grows at most in proportion to its size, so that one round takes at most 2x
+    the target, and then the bracket is known); where nothing fitted, the smallest measured
+    size scaled down to the target.
 
-both terms from chunks taken while others decoded (moving averages of recent rounds): the
-fixed part from two chunks of different sizes (the line through them), the per-token part
-from the newest chunk (contexts grow over a long prompt, and so does its cost). Only chunks
-that filled most of their budget count (a prompt's padded tail would read as slow).
-
-The fixed part matters: under CUDA graphs a chunk forward costs ~1.2 ms whatever its width on
-the H200 (weights read, launches), ~3.3 us a token more at ~3k keys. Sizing by the cost per
-token alone (time / tokens, no fixed part) under-estimates what fits, and with the engine's
-chunk widths (a budget of 394 tokens takes a 256-token chunk) it settled at 256 tokens a round:
-16 prompts of ~2,900 tokens then needed 11 rounds each, every round prefilled, and their
-throughput was 0.32x of short prompts' (thirteenth session). Until two sizes are measured, a
-chunk that took less than the target is followed by one twice as large (at most 2x the target,
-once), which gives the line its second point.
+No cost model is assumed: under CUDA graphs a chunk forward costs ~1.2 ms whatever its width
+on the H200, ~3.3 us a token more at ~3k keys; a burst of short prompts is one forward per 8;
+a chunk's cost grows with its context. Sizing by time per token alone (the thirteenth
+session's pacer) read a 256-token chunk's ~2 ms as 7.8 us a token and asked for ~384 tokens,
+which the engine, taking the widest chunk width within a budget, took as 256 again: 16
+prompts of ~2,900 tokens went in 256 tokens a round, every round prefilled, and their
+throughput was 0.32x of short prompts'; a 512-token chunk (~2.9 ms) fitted 1.5 steps. Only
+chunks that filled most of their budget count (a prompt's padded tail would read as slow).
 
 A round that prefills then takes about 1 + `steps` decode steps; of several prompts joining at
 once, those that fit go in whole, first come first, and the oldest longer one takes the rest
@@ -38,8 +40,9 @@ MIN_TOKENS = 256
 FIRST_TOKENS = MIN_TOKENS  # before a chunk was measured
 SMOOTHING = 0.5  # weight of the newest measurement (contexts grow over a long prompt)
 SPIKE = 4.0  # a step counts as at most this many times the average
-STALE = 32  # a size not measured in this many chunks is dropped
-MIN_SHARE = 0.1  # the per-token part is at least this share of a chunk's time
+# a size not measured in this many chunks is dropped; one that took longer than the target is
+# kept 4x as long (a probe past it costs a round of up to 2x the target)
+STALE = 32
 
 
 class PrefillPacer:
@@ -47,19 +50,9 @@ class PrefillPacer:
         self.max_tokens = max_tokens if max_tokens > 0 else None  # -1 / 0: no token cap
         self.steps = steps  # 0: the token cap only
         self.step_s: float | None = None
-        self.fixed_s: float | None = None  # a chunk forward's cost whatever its size
         # chunks measured, by size class (tokens' bit length): [tokens, seconds, when]
         self.chunks: dict[int, list[float]] = {}
-        self.last: int | None = None  # the newest measurement's class
-        self.count = 0
-
-    @property
-    def token_s(self) -> float | None:
-        """The newest chunks' cost per token past the fixed part (None: none measured)."""
-        if self.last is None:
-            return None
-        n, t, _ = self.chunks[self.last]
-        return max(t - (self.fixed_s or 0.0), MIN_SHARE * t) / n
+        self.count = 0  # chunks measured
 
     def budget(self, decoding: bool) -> int | None:
         """Prompt tokens the next round may prefill; None = all of them."""
@@ -67,16 +60,23 @@ class PrefillPacer:
             return None
         if self.steps <= 0 or self.step_s is None:
             return self.max_tokens
-        if self.last is None:
-            n = FIRST_TOKENS
-        else:
-            target = self.steps * self.step_s
-            tokens, seconds, _ = self.chunks[self.last]
-            n = int(max(0.0, target - (self.fixed_s or 0.0)) / self.token_s)
-            if self.fixed_s is None and len(self.chunks) == 1 and seconds < target:
-                n = max(n, 2 * int(tokens))  # no line yet: a chunk twice as large (<= 2x target)
-            n = max(MIN_TOKENS, n)
+        n = self._size(self.steps * self.step_s) if self.chunks else FIRST_TOKENS
+        n = max(MIN_TOKENS, n)
         return n if self.max_tokens is None else min(n, self.max_tokens)
+
+    def _size(self, target: float) -> int:
+        """The chunk that takes about `target` seconds, read off the measured sizes."""
+        sizes = sorted(p[:2] for p in self.chunks.values())
+        fit = [(n, t) for n, t in sizes if t <= target]
+        if not fit:
+            n, t = sizes[0]
+            return int(n * target / t)
+        n0, t0 = fit[-1]
+        over = [(n, t) for n, t in sizes if n > n0]  # each took longer than the target
+        if not over:  # twice the size, or more where even a cost in proportion fits
+            return int(max(2 * n0, n0 * target / t0))
+        n1, t1 = over[0]
+        return int(n0 + (target - t0) * (n1 - n0) / (t1 - t0))
 
     def prefilled(self, tokens: int, seconds: float) -> None:
         """A chunk prefilled while others decoded: `tokens` in `seconds` (device work done)."""
@@ -84,23 +84,17 @@ class PrefillPacer:
             return
         self.count += 1
         cls = int(tokens).bit_length()
-        # sizes not measured lately (older contexts, other loads) no longer count
-        for c in [c for c, p in self.chunks.items() if self.count - p[2] > STALE]:
-            del self.chunks[c]
         old = self.chunks.get(cls)
         if old is None:
             self.chunks[cls] = [float(tokens), seconds, self.count]
         else:
             old[:] = [_smooth(old[0], tokens), _smooth(old[1], seconds), self.count]
-        # the line through this chunk and the newest one of another size: its intercept is the
-        # fixed part (a slope of 0 or less, noise or a grown context, says nothing of it)
-        if self.last is not None and self.last != cls and self.last in self.chunks:
-            (n0, t0, _), (n1, t1, _) = self.chunks[self.last], self.chunks[cls]
-            slope = (t1 - t0) / (n1 - n0)
-            if slope > 0:
-                fixed = min(max(0.0, t1 - slope * n1), (1 - MIN_SHARE) * min(t0, t1))
-                self.fixed_s = _smooth(self.fixed_s, fixed)
-        self.last = cls
+        # sizes not measured lately (older contexts, other loads) no longer count
+        target = self.steps * (self.step_s or 0.0)
+        for c, (_, t, when) in list(self.chunks.items()):
+            if self.count - when > (4 * STALE if t > target else STALE):
+                del self.chunks[c]
+
     def stepped(self, seconds: float) -> None:
         """A decode round (draft + verify) of the running requests took `seconds`. A spike
         (a graph captured on first use, a drafter catching up on a newcomer's prompt) counts

@@ -61,7 +61,9 @@ def test_the_runner_logs_its_rounds_while_a_long_prompt_goes_in_between_them(cap
 
         async def run(prompt, n):
             out = []
-            async for step in runner.generate(prompt, SamplingParams(max_tokens=n, ignore_eos=True)):
+            async for step in runner.generate(
+                prompt, SamplingParams(max_tokens=n, ignore_eos=True)
+            ):
                 out += step.token_ids
             return out
 
