@@ -6,23 +6,30 @@ H200, so the running streams saw an 8x gap. A fixed token cap (`--chunked-prefil
 SGLang's) cannot fit every model, GPU and context length; here the chunk is sized from this
 engine's own measured rounds instead, to take about `steps` decode steps (the target):
 
-  * chunks taken while others decoded are measured by size class (a power of two of tokens:
-    their tokens and seconds as moving averages; a class not measured lately is dropped);
-  * the next chunk's size is read off the measured sizes that bracket the target: between the
-    largest that took at most the target and the next larger one that took more, on the line
-    through the two; where nothing larger was measured, twice the largest that fitted (a
-    chunk's time grows at most in proportion to its size, so that one round takes at most 2x
-    the target, and then the bracket is known); where nothing fitted, the smallest measured
-    size scaled down to the target.
+  * chunks taken while others decoded are measured by size class (a power of two of tokens);
+    within a class, time is a line over the chunk's context (the keys before it: a later
+    chunk of a long prompt reads more of them), fitted to its recent chunks (older ones
+    weigh less; a class not measured lately is dropped);
+  * the next chunk's size is read off the classes at that chunk's context, bracketing the
+    target: between the largest that takes at most the target and the next larger one that
+    takes more, on the line through the two; where nothing larger was measured, on the line
+    through the two largest that fit (or at the last slope between sizes seen), else twice
+    the largest that fits (a chunk's time grows at most in proportion to its size, so that
+    round takes at most 2x the target, and then the bracket is known); where nothing fits,
+    the smallest size scaled down to the target.
 
-No cost model is assumed: under CUDA graphs a chunk forward costs ~1.2 ms whatever its width
-on the H200, ~3.3 us a token more at ~3k keys; a burst of short prompts is one forward per 8;
-a chunk's cost grows with its context. Sizing by time per token alone (the thirteenth
-session's pacer) read a 256-token chunk's ~2 ms as 7.8 us a token and asked for ~384 tokens,
-which the engine, taking the widest chunk width within a budget, took as 256 again: 16
-prompts of ~2,900 tokens went in 256 tokens a round, every round prefilled, and their
-throughput was 0.32x of short prompts'; a 512-token chunk (~2.9 ms) fitted 1.5 steps. Only
-chunks that filled most of their budget count (a prompt's padded tail would read as slow).
+No cost model across sizes is assumed: under CUDA graphs a chunk forward costs ~1.2 ms
+whatever its width on the H200, ~3.3 us a token more at ~3k keys. Sizing by time per token
+alone (the thirteenth session's pacer) read a 256-token chunk's ~2 ms as 7.8 us a token and
+asked for ~384 tokens, which the engine, taking the widest chunk width within a budget, took
+as 256 again: 16 prompts of ~2,900 tokens went in 256 tokens a round, every round prefilled,
+and their throughput was 0.32x of short prompts'; a 512-token chunk (~2.9 ms) fitted 1.5
+steps. A fixed + per-token line fitted across sizes (the fourteenth session's first try) was
+misled by bursts of short prompts (8 a forward: twice the tokens in two forwards, a line
+through 0). Counted are only chunks that filled most of their budget and ended no prompt: a
+prompt's last chunk runs padded to a wider shape (530 tokens as 1,024), a short prompt alone
+costs a chunk's time for fewer tokens; a slow chunk counts as at most SPIKE_CHUNK x what its
+class predicts.
 
 A round that prefills then takes about 1 + `steps` decode steps; of several prompts joining at
 once, those that fit go in whole, first come first, and the oldest longer one takes the rest
@@ -38,11 +45,55 @@ from __future__ import annotations
 # ones are paced (as vLLM's long_prefill_token_threshold); on a GPU the paced size is larger
 MIN_TOKENS = 256
 FIRST_TOKENS = MIN_TOKENS  # before a chunk was measured
-SMOOTHING = 0.5  # weight of the newest measurement (contexts grow over a long prompt)
+SMOOTHING = 0.5  # weight of the newest decode step in their average
 SPIKE = 4.0  # a step counts as at most this many times the average
-# a size not measured in this many chunks is dropped; one that took longer than the target is
-# kept 4x as long (a probe past it costs a round of up to 2x the target)
+FORGET = 0.9  # a size class's older chunks weigh this much less with each newer one
+# a class not measured in this many chunks is dropped (older contexts, other loads); one that
+# takes over OVER x the target is kept 4x as long (trying it again costs such a round)
 STALE = 32
+OVER = 1.5
+SPIKE_CHUNK = 1.2  # a chunk counts as at most this many times what its class predicts
+# the next larger size, where it reads at most RETRY x the target and was not measured in
+# RETRY_AFTER chunks, is tried again (a slow chunk, or a longer context, put it over)
+RETRY = 1.25
+RETRY_AFTER = 8
+SPREAD = 256  # keys: contexts this far apart (standard deviation) give a class its own slope
+
+
+class _Size:
+    """One size class's chunks: their tokens (average) and time as a line over context,
+    least squares over recent chunks, each older one weighing FORGET x less."""
+
+    __slots__ = ("n", "w", "sx", "sy", "sxx", "sxy", "when")
+
+    def __init__(self) -> None:
+        self.n = self.w = self.sx = self.sy = self.sxx = self.sxy = 0.0
+        self.when = 0
+
+    def add(self, tokens: int, context: int, seconds: float, when: int) -> None:
+        f = FORGET
+        self.n = (f * self.w * self.n + tokens) / (f * self.w + 1)
+        self.w, self.sx, self.sy = f * self.w + 1, f * self.sx + context, f * self.sy + seconds
+        self.sxx = f * self.sxx + context * context
+        self.sxy = f * self.sxy + context * seconds
+        self.when = when
+
+    def slope(self) -> float | None:
+        """Seconds per key of context, where its chunks' contexts spread enough."""
+        mx = self.sx / self.w
+        var = self.sxx / self.w - mx * mx
+        if var < SPREAD * SPREAD:
+            return None
+        return max(0.0, (self.sxy / self.w - mx * self.sy / self.w) / var)
+
+    def at(self, context: int, per_key_token: float) -> float:
+        """Its time at `context` (per_key_token: the slope of classes that have one, per
+        token, for a class whose contexts did not spread)."""
+        mx, my = self.sx / self.w, self.sy / self.w
+        slope = self.slope()
+        if slope is None:
+            slope = per_key_token * self.n
+        return max(my + slope * (context - mx), 1e-9)
 
 
 class PrefillPacer:
@@ -50,49 +101,80 @@ class PrefillPacer:
         self.max_tokens = max_tokens if max_tokens > 0 else None  # -1 / 0: no token cap
         self.steps = steps  # 0: the token cap only
         self.step_s: float | None = None
-        # chunks measured, by size class (tokens' bit length): [tokens, seconds, when]
-        self.chunks: dict[int, list[float]] = {}
+        self.chunks: dict[int, _Size] = {}  # by size class (tokens' bit length)
         self.count = 0  # chunks measured
+        self.slope_s: float | None = None  # seconds a token more, between two sizes measured
+        self.context = 0  # the context of the last chunk sized
 
-    def budget(self, decoding: bool) -> int | None:
-        """Prompt tokens the next round may prefill; None = all of them."""
+    def budget(self, decoding: bool, context: int = 0) -> int | None:
+        """Prompt tokens the next round may prefill, its chunk after `context` keys of its
+        prompt; None = all of them."""
         if not decoding:
             return None
+        self.context = context
         if self.steps <= 0 or self.step_s is None:
             return self.max_tokens
-        n = self._size(self.steps * self.step_s) if self.chunks else FIRST_TOKENS
+        n = self._size(self.steps * self.step_s, context) if self.chunks else FIRST_TOKENS
         n = max(MIN_TOKENS, n)
         return n if self.max_tokens is None else min(n, self.max_tokens)
 
-    def _size(self, target: float) -> int:
-        """The chunk that takes about `target` seconds, read off the measured sizes."""
-        sizes = sorted(p[:2] for p in self.chunks.values())
-        fit = [(n, t) for n, t in sizes if t <= target]
+    def _per_key_token(self) -> float:
+        slopes = [(s.slope(), s.n) for s in self.chunks.values()]
+        known = [k / n for k, n in slopes if k is not None]
+        return sum(known) / len(known) if known else 0.0
+
+    def _size(self, target: float, context: int) -> int:
+        """The chunk that takes about `target` seconds at `context`, read off the sizes."""
+        pk = self._per_key_token()
+        sizes = sorted(((s.n, s.at(context, pk), s) for s in self.chunks.values()), key=_first)
+        fit = [(n, t) for n, t, _ in sizes if t <= target]
         if not fit:
-            n, t = sizes[0]
+            n, t, _ = sizes[0]
             return int(n * target / t)
         n0, t0 = fit[-1]
-        over = [(n, t) for n, t in sizes if n > n0]  # each took longer than the target
-        if not over:  # twice the size, or more where even a cost in proportion fits
-            return int(max(2 * n0, n0 * target / t0))
-        n1, t1 = over[0]
-        return int(n0 + (target - t0) * (n1 - n0) / (t1 - t0))
+        over = [(n, t, s) for n, t, s in sizes if n > n0]  # each takes longer than the target
+        if over:  # between the two, on the line through them
+            n1, t1, s1 = over[0]
+            if t1 <= RETRY * target and self.count - s1.when >= RETRY_AFTER:
+                return int(n1)  # close to the target and not measured lately: once more
+            self.slope_s = (t1 - t0) / (n1 - n0)
+            return int(n0 + (target - t0) / self.slope_s)
+        if len(fit) > 1 and fit[-2][1] < t0:
+            ns, ts = fit[-2]
+            self.slope_s = (t0 - ts) / (n0 - ns)
+        if self.slope_s is None:
+            n = 2 * n0
+        else:
+            n = min(n0 + (target - t0) / self.slope_s, 4 * n0)
+        return int(max(n, n0 * target / t0))  # at least what a cost in proportion fits
 
-    def prefilled(self, tokens: int, seconds: float) -> None:
-        """A chunk prefilled while others decoded: `tokens` in `seconds` (device work done)."""
+    def prefilled(
+        self,
+        tokens: int,
+        seconds: float,
+        budget: int | None = None,
+        ended: bool = False,
+        context: int = 0,
+    ) -> None:
+        """A chunk prefilled while others decoded: `tokens` after `context` keys of its
+        prompt in `seconds` (device work done), of a round whose budget was `budget`, that
+        `ended` a prompt or not."""
         if tokens <= 0 or seconds <= 0:
+            return
+        if budget is not None and (ended or 2 * tokens < budget):
             return
         self.count += 1
         cls = int(tokens).bit_length()
-        old = self.chunks.get(cls)
-        if old is None:
-            self.chunks[cls] = [float(tokens), seconds, self.count]
+        size = self.chunks.get(cls)
+        if size is None:
+            size = self.chunks[cls] = _Size()
         else:
-            old[:] = [_smooth(old[0], tokens), _smooth(old[1], seconds), self.count]
-        # sizes not measured lately (older contexts, other loads) no longer count
+            seconds = min(seconds, SPIKE_CHUNK * size.at(context, self._per_key_token()))
+        size.add(tokens, context, seconds, self.count)
         target = self.steps * (self.step_s or 0.0)
-        for c, (_, t, when) in list(self.chunks.items()):
-            if self.count - when > (4 * STALE if t > target else STALE):
+        for c, s in list(self.chunks.items()):
+            late = self.count - s.when
+            if late > (4 * STALE if s.sy / s.w > OVER * target else STALE):
                 del self.chunks[c]
 
     def stepped(self, seconds: float) -> None:
@@ -103,6 +185,10 @@ class PrefillPacer:
             if self.step_s is not None:
                 seconds = min(seconds, SPIKE * self.step_s)
             self.step_s = _smooth(self.step_s, seconds)
+
+
+def _first(item: tuple) -> float:
+    return item[0]
 
 
 def _smooth(old: float | None, new: float) -> float:

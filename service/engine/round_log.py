@@ -5,7 +5,8 @@
     rounds: 40: 9 decode 1.71 ms, 31 prefill 2.41 ms (9920 prompt tokens) + decode 1.69 ms
 
 (the mean time of each part: rounds that only decode; rounds that prefill a chunk of joining
-prompts, then decode the running requests; throughput: tokens over the wall time from the
+prompts, then decode the running requests, the decode's mean over those that had any to
+decode; #running-req: the requests of the last round's step; throughput: tokens over the wall time from the
 interval's first round to its last, idle time between them included).
 
 A round is one call of the runner's `_run_round`: the prompt chunks of joining requests (if
@@ -32,6 +33,7 @@ class RoundLog:
         self.rounds = self.prefilling = 0
         self.tokens = self.prompt_tokens = 0
         self.decode_s = self.chunk_s = self.step_with_chunk_s = 0.0
+        self.steps_with_chunk = 0  # prefilling rounds that also ran a step
 
     def record(
         self,
@@ -44,8 +46,8 @@ class RoundLog:
     ) -> str | None:
         """One round: `prompt_tokens` prefilled in `chunk_s` (0, 0: none), then a step of
         `step_s` (0: none ran) that made `new_tokens`. Returns the line when one is due."""
-        if self.interval <= 0:
-            return None
+        if self.interval <= 0 or not (prompt_tokens or chunk_s or step_s):
+            return None  # no log, or a round that did nothing (every request gone)
         if not self.rounds:  # an interval's clock starts with its first round (not at idle)
             self.t0 = time.perf_counter() - chunk_s - step_s
         self.rounds += 1
@@ -55,6 +57,7 @@ class RoundLog:
             self.prompt_tokens += prompt_tokens
             self.chunk_s += chunk_s
             self.step_with_chunk_s += step_s
+            self.steps_with_chunk += step_s > 0
         else:
             self.decode_s += step_s
         if self.rounds < self.interval:
@@ -76,7 +79,7 @@ class RoundLog:
             n = self.prefilling
             text += (
                 f", {n} prefill {_ms(self.chunk_s, n):.2f} ms ({self.prompt_tokens} prompt "
-                f"tokens) + decode {_ms(self.step_with_chunk_s, n):.2f} ms"
+                f"tokens) + decode {_ms(self.step_with_chunk_s, self.steps_with_chunk):.2f} ms"
             )
         return text
 

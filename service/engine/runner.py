@@ -245,7 +245,7 @@ class EngineRunner:
             "kv_slots_used": total - free,
             "kv_slots_total": total,
             "spec_budget": self.last_budget,
-            "prefill_chunk_tokens": self.pacer.budget(decoding=True) or 0,
+            "prefill_chunk_tokens": self.pacer.budget(True, self.pacer.context) or 0,
         }
 
     # -- live parameters --------------------------------------------------------------
@@ -369,24 +369,27 @@ class EngineRunner:
             joining.append(req)
         if joining:  # the new requests' prompts in one batch; one by one if that fails
             # while others decode, a bounded chunk per round (chunked prefill); alone, all of it
-            budget = self.pacer.budget(decoding=bool(ready))
+            # the chunk's context: the keys the oldest prompt under way has in (first come)
+            context = max(r.seq.cache.length for r in joining)
+            budget = self.pacer.budget(decoding=bool(ready), context=context)
             t0 = time.perf_counter()
+            paced = bool(ready) and budget is not None
             try:
                 spent = self.engine.prefill_batch([r.seq for r in joining], budget)
                 chunk = [spent, time.perf_counter() - t0]
-                # paced chunks only, and only those that filled most of their budget (a
-                # prompt's padded tail, or a short one alone, costs a chunk's time for fewer
-                # tokens)
-                if ready and budget is not None and 2 * spent >= budget:
-                    self.pacer.prefilled(spent, time.perf_counter() - t0)
             except Exception:
+                paced, spent = False, 0
                 for req in joining:
                     req.seq.hidden_new.clear()  # start each prompt over on its own
                     req.seq.cache.truncate(0)
                     try:
-                        self.engine.prefill_batch([req.seq], budget)
+                        spent += self.engine.prefill_batch([req.seq], budget)
                     except Exception as exc:
                         self._fail(req, exc)
+                chunk = [spent, time.perf_counter() - t0]
+            if paced:  # the pacer counts chunks that ended no prompt (a padded tail)
+                ended = any(not r.failed and self.engine.prefilled(r.seq) for r in joining)
+                self.pacer.prefilled(chunk[0], chunk[1], budget, ended, context)
             for req in joining:
                 st = req.seq.stats
                 # queued until its prompt's first tokens went in (first come first served
@@ -413,7 +416,8 @@ class EngineRunner:
             news = self.engine.step_batch([r.seq for r in ready], params)
             step_s = time.perf_counter() - t0
             self.pacer.stepped(step_s)
-            self._log_round(chunk, step_s, sum(len(n) for n in news if isinstance(n, list)))
+            made = sum(len(n) for n in news if isinstance(n, list))
+            self._log_round(chunk, step_s, made, len(ready))
         except Exception:
             if self.policy is not None:
                 self._adapt("failed", rows, budget)
@@ -447,10 +451,8 @@ class EngineRunner:
                 StepOutput(new, seq.finished, seq.finish_reason, fingerprint, seq.stats, lp)
             )
 
-    def _log_round(self, chunk: list, step_s: float, new_tokens: int) -> None:
-        self.round_log.record(
-            chunk[0], chunk[1], step_s, new_tokens, len(self._active), len(self._pending)
-        )
+    def _log_round(self, chunk: list, step_s: float, new_tokens: int, running: int = 0) -> None:
+        self.round_log.record(chunk[0], chunk[1], step_s, new_tokens, running, len(self._pending))
 
     def _rows(self, ready: int) -> int:
         """The rows a round of `ready` requests verifies: the static engine's forward covers

@@ -3,7 +3,7 @@ measured decode steps and prefill speed, within the token cap; an idle engine pr
 
 import pytest
 
-from ddserve.engine.prefill_pacing import FIRST_TOKENS, MIN_TOKENS, STALE, PrefillPacer
+from ddserve.engine.prefill_pacing import FIRST_TOKENS, MIN_TOKENS, PrefillPacer
 
 
 def test_an_idle_engine_prefills_whole_and_the_cap_holds_before_any_measurement():
@@ -28,8 +28,9 @@ def test_the_chunk_takes_about_steps_decode_steps():
     p.stepped(0.002)
     p.prefilled(256, 256 * 5e-6)
     assert p.budget(decoding=True) == 512  # within --chunked-prefill-size
+    p = PrefillPacer(512, 2.0)
+    p.stepped(0.002)
     p.prefilled(256, 0.5)  # prefill far slower than a step (a CPU): short prompts stay whole
-    p.prefilled(256, 0.5)
     assert p.budget(decoding=True) == MIN_TOKENS
 
 
@@ -57,17 +58,28 @@ def test_it_follows_the_cost_as_the_context_grows():
 WIDTHS = (16, 64, 256, 512, 1024, 2048)  # the static engine's chunk widths on a GPU
 
 
-def _paced_chunks(p: PrefillPacer, cost, rounds: int = 40) -> list[int]:
-    """The chunks a long prompt goes in by, as the static engine takes them: the widest chunk
-    width within the round's budget (StaticEngine._prefill_rows), costing cost(width)."""
-    taken = []
-    for _ in range(rounds):
-        budget = p.budget(decoding=True)
-        w = max([c for c in WIDTHS if c <= budget] or [WIDTHS[0]])
-        if 2 * w >= budget:  # as the runner: only chunks that filled most of their budget
-            p.prefilled(w, cost(w))
-        taken.append(w)
-    return taken
+def _admit(p: PrefillPacer, lengths, cost, step_s: float, spikes=()) -> list[tuple]:
+    """Long prompts admitted one after another while others decode, as the runner and the
+    static engine take them: each round the pacer's budget; the prompt's rest in whole where
+    it fits (padded to the next chunk width: a prompt's last chunk), else the widest width
+    within the budget; `cost(width, context)` seconds (twice that in rounds `spikes`); the
+    pacer told what the runner tells it. Returns (width, seconds, context, ended) a round."""
+    rounds = []
+    for length in lengths:
+        done = 0
+        while done < length:
+            p.stepped(step_s)
+            budget = p.budget(decoding=True, context=done)
+            rest = length - done
+            if rest <= budget:
+                take, w = rest, min(c for c in WIDTHS if c >= rest)
+            else:
+                take = w = max([c for c in WIDTHS if c <= budget] or [WIDTHS[0]])
+            t = cost(w, done) * (2 if len(rounds) in spikes else 1)
+            p.prefilled(take, t, budget, ended=take == rest, context=done)
+            rounds.append((w, t, done, take == rest))
+            done += take
+    return rounds
 
 
 def test_a_fixed_cost_per_forward_does_not_hold_chunks_at_the_narrowest_width():
@@ -76,41 +88,68 @@ def test_a_fixed_cost_per_forward_does_not_hold_chunks_at_the_narrowest_width():
     chunk fits (2.9 ms) and a 1,024-token one does not (4.6 ms): the pacer must settle at 512.
     Sized by time per token alone, a 256-token chunk (2.0 ms, 7.8 us a token) asked for 384
     tokens, which the engine takes as 256 again: every long prompt went in 256 at a time (the
-    thirteenth session's lease). Before the long prompts, bursts of short ones (8 prompts a
-    forward: 480 tokens in two) were measured too, and must not mislead it."""
+    thirteenth session's lease, 16 prompts of ~2,900 tokens). Bursts of short prompts before
+    them (8 a forward: 480 tokens in two) and each prompt's padded last chunk (its rest, up
+    to the next width) must not mislead it."""
     p = PrefillPacer(2048, 1.5)
     for _ in range(3):
         p.stepped(0.002)
     p.prefilled(240, 0.0014)
     p.prefilled(480, 0.0028)
-    cost = lambda n: 0.0012 + 3.3e-6 * n  # noqa: E731
-    taken = _paced_chunks(p, cost)
-    assert taken[-20:] == [512] * 20, taken
-    # one chunk over the target: the one that found where it lies (at most 2x the target)
-    over = [w for w in taken if cost(w) > 0.003]
-    assert over == [1024], taken
+    rounds = _admit(p, [2900] * 40, lambda w, ctx: 0.0012 + 3.3e-6 * w, 0.002)
+    cut = [w for w, _, _, ended in rounds[40:] if not ended]
+    assert cut.count(512) >= 0.9 * len(cut), cut
+    # over the target: at most a few rounds but the prompts' padded last chunks
+    over = [w for w, t, _, ended in rounds if t > 0.003 * 1.05 and not ended]
+    assert len(over) <= 3, over
     # a cheaper step (fewer running requests) asks for less: 1.5 x 1.2 ms = 1.8 ms fits 256
     for _ in range(10):
         p.stepped(0.0012)
-    assert _paced_chunks(p, cost, 10)[-5:] == [256] * 5
+    assert p.budget(decoding=True) < 512
     # where the fixed part is small, the budget is what the step time buys in tokens
     p = PrefillPacer(2048, 1.5)
-    p.stepped(0.002)
-    assert _paced_chunks(p, lambda n: 1e-5 + 2.9e-6 * n)[-10:] == [1024] * 10
+    rounds = _admit(p, [7200] * 10, lambda w, ctx: 1e-5 + 2.9e-6 * w, 0.002)
+    assert [w for w, _, _, ended in rounds[-20:] if not ended][-10:] == [1024] * 10, rounds
 
 
-def test_a_size_not_measured_lately_is_measured_again():
-    """Costs change (contexts, loads): a size that fitted is dropped after STALE chunks of
-    other sizes, one that did not after 4x as many; then it is tried again, once."""
-    p = PrefillPacer(2048, 1.0)
-    p.stepped(0.003)
-    cost = lambda n: 0.0012 + 3.3e-6 * n  # noqa: E731  (512: 2.9 ms fits; 1,024 does not)
-    taken = _paced_chunks(p, cost, 4 * STALE + 20)
-    assert taken.count(1024) == 2, taken  # the first probe, and one after 4 x STALE chunks
-    # the step got slower (more requests running): larger chunks fit now, and are found
-    for _ in range(10):
-        p.stepped(0.006)
-    assert _paced_chunks(p, cost, 10)[-5:] == [1024] * 5
+COSTS = {  # a chunk of w tokens after ctx keys, seconds
+    # the H200 at ~3k keys under graphs: 1.2 ms fixed + 3.3 us a token (512: 2.9 ms, 1,024: 4.6)
+    "fixed": lambda w, ctx: 0.0012 + 3.3e-6 * w,
+    # a later chunk reads more keys: 512 tokens take 2.4 ms at 0 keys, 3.3 at 7,000
+    "context": lambda w, ctx: 0.0012 + w * (2.4e-6 + 0.25e-9 * ctx),
+    # attention dominating: 1,024 fit at first, 256 at the end of a long prompt
+    "steep": lambda w, ctx: 0.0008 + w * (1.5e-6 + 0.6e-9 * ctx),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(COSTS))
+def test_it_keeps_near_the_target_as_contexts_grow_with_noise_and_spikes(kind):
+    """Prompts of 2,000-8,000 tokens one after another (each starts again at no keys), costs
+    +-10% and one chunk in 50 twice its time (clamped): the chunks stay near the widest width
+    that fits at their context (the best an engine that rounds to widths can do: the pacer
+    has to find it by measuring) and rounds seldom take far over the target. The thirteenth
+    session's pacer took 0.50 / 0.56 / 0.70x of the best here (fixed, context, steep), the
+    same brackets blind to context 0.53 / 0.58 / 0.46x, with 1.5x clamps and a shorter
+    memory 0.71x in "fixed" (one spike kept 512 out)."""
+    import random
+
+    rng = random.Random(3)
+    target, base = 1.5 * 0.002, COSTS[kind]
+    lengths = [rng.randint(2000, 8000) for _ in range(60)]
+    p = PrefillPacer(2048, 1.5)
+    rounds = _admit(
+        p,
+        lengths,
+        lambda w, ctx: base(w, ctx) * rng.uniform(0.9, 1.1),
+        0.002,
+        spikes=set(range(7, 10_000, 50)),
+    )
+    cut = [(w, t, ctx) for w, t, ctx, ended in rounds if not ended]
+    best = sum(max(c for c in WIDTHS if base(c, ctx) <= target) for _, _, ctx in cut)
+    got = sum(w for w, _, _ in cut)
+    assert 0.85 * best <= got <= 1.15 * best, (got, best)
+    far = [round(t / target, 2) for _, t, _ in cut if t > 1.6 * target]
+    assert len(far) <= 0.03 * len(cut), far  # the spikes (2%) and a few probes
 
 
 def test_no_pacing_keeps_the_token_cap():

@@ -37,6 +37,14 @@ def test_a_line_every_interval_with_the_means_of_each_kind_of_round():
     m = LINE.match(line)
     assert m and m.group(4) == m.group(5) == "3" and m.group(7) is None, line
     assert RoundLog(0).record(100, 1.0, 1.0, 1, 1, 0) is None  # 0: never
+    # a round that did nothing (its requests all gone) is not one; a round that prefilled
+    # with nothing to decode leaves the mean of the decodes after a chunk alone
+    rl = RoundLog(2)
+    assert rl.record(0, 0.0, 0.0, 0, 0, 0) is None
+    assert rl.record(300, 0.003, 0.0, 0, 0, 1) is None
+    m = LINE.match(rl.record(200, 0.001, 0.002, 3, 3, 0))
+    assert m and m.group(4) == "2" and m.group(7) == "2" and m.group(9) == "500", m
+    assert float(m.group(8)) == 2.0 and float(m.group(10)) == 2.0
 
 
 def test_the_runner_logs_its_rounds_while_a_long_prompt_goes_in_between_them(caplog):
