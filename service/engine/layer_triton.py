@@ -260,6 +260,9 @@ PDL: bool | None = None
 PREFETCH: bool | None = None
 OVERLAP_AUTO = True
 OVERLAP_MAX_CTX = 512
+# at 16 slots of 1 row the overlapped step was slower in two leases (1.214 vs 1.159 ms, 1.224
+# vs 1.168): on for 1-4 slots (measured faster), off above (8 not measured)
+OVERLAP_MAX_BATCH = 4
 
 
 def launch_params(kernel: str, bm: int) -> tuple[int, int, int, int]:
@@ -270,24 +273,30 @@ def launch_params(kernel: str, bm: int) -> tuple[int, int, int, int]:
     return DEFAULTS[(kernel, 16 if bm <= 16 else 64)]
 
 
-def pdl_on(device: torch.device, ctx: int = 0) -> bool:
-    """Whether a forward in context class `ctx` (0: short) launches its chain with PDL."""
+def pdl_on(device: torch.device, ctx: int = 0, batch: int = 1) -> bool:
+    """Whether a forward of `batch` slots in context class `ctx` (0: short) launches its
+    chain with PDL."""
     if PDL is not None:
         return PDL
-    return OVERLAP_AUTO and hopper(device) and ctx <= OVERLAP_MAX_CTX
+    return _overlap_auto(device, ctx, batch)
 
 
-def prefetch_on(device: torch.device, ctx: int = 0) -> bool:
-    """Whether a forward in context class `ctx` (0: short) prefetches weights and keys."""
+def _overlap_auto(device: torch.device, ctx: int, batch: int) -> bool:
+    return OVERLAP_AUTO and hopper(device) and ctx <= OVERLAP_MAX_CTX and batch <= OVERLAP_MAX_BATCH
+
+
+def prefetch_on(device: torch.device, ctx: int = 0, batch: int = 1) -> bool:
+    """Whether a forward of `batch` slots in context class `ctx` (0: short) prefetches
+    weights and keys."""
     if PREFETCH is not None:
         return PREFETCH
-    return OVERLAP_AUTO and hopper(device) and ctx <= OVERLAP_MAX_CTX
+    return _overlap_auto(device, ctx, batch)
 
 
-def _prefetch_bytes(w: torch.Tensor, ctx: int) -> int:
+def _prefetch_bytes(w: torch.Tensor, ctx: int, batch: int = 1) -> int:
     """The bytes of each of w's rows to prefetch into L2 (0: none): a row, where every row
     starts 16-byte aligned (the bulk prefetch's rule), rounded down to 16 bytes."""
-    if not prefetch_on(w.device, ctx) or w.stride(1) != 1 or not bulk_aligned(w, (0,)):
+    if not prefetch_on(w.device, ctx, batch) or w.stride(1) != 1 or not bulk_aligned(w, (0,)):
         return 0
     return w.shape[1] * w.element_size() // 16 * 16
 
@@ -297,10 +306,10 @@ def _launch(kernel, grid, *args, pdl: bool, **meta) -> None:
     kernel[grid](*args, PDL=pdl, **meta, **launch_kwargs(pdl))
 
 
-def qkv_rope(block, x, cos, sin, kc, vc, rows, wpos, ctx: int = 0) -> torch.Tensor:
+def qkv_rope(block, x, cos, sin, kc, vc, rows, wpos, ctx: int = 0, batch: int = 1) -> torch.Tensor:
     """q [M, nh, hd] with RoPE; k, v written into the pools kc/vc [S, kvh, L, hd] at
     (rows[m // W], wpos[m]). x [M, H]; cos/sin [M, hd]; rows [B]; wpos [B, W]. `ctx`: the
-    forward's context class (whether it overlaps: pdl_on)."""
+    forward's context class, `batch` its slots (whether it overlaps: pdl_on)."""
     c = block.cfg
     m, h = x.shape
     nh, kvh, hd = c.num_heads, c.num_kv_heads, c.head_dim
@@ -319,13 +328,13 @@ def qkv_rope(block, x, cos, sin, kc, vc, rows, wpos, ctx: int = 0) -> torch.Tens
         x.stride(0), w.stride(0), cos.stride(0), q.stride(0), q.stride(1),
         kc.stride(0), kc.stride(1), kc.stride(2),
         HD=hd, HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32,
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, PREFETCH=_prefetch_bytes(w, ctx),
-        num_warps=warps, num_stages=stages, pdl=pdl_on(x.device, ctx),
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, PREFETCH=_prefetch_bytes(w, ctx, batch),
+        num_warps=warps, num_stages=stages, pdl=pdl_on(x.device, ctx, batch),
     )  # fmt: skip
     return q
 
 
-def gate_up(block, x, ctx: int = 0) -> torch.Tensor:
+def gate_up(block, x, ctx: int = 0, batch: int = 1) -> torch.Tensor:
     """silu(h @ Wg^T) * (h @ Wu^T), h = post-attention RMSNorm(x): [M, I]."""
     m, h = x.shape
     w = block.gate_up_weight
@@ -338,13 +347,13 @@ def gate_up(block, x, ctx: int = 0) -> torch.Tensor:
         _gate_up, (triton.cdiv(inter, bn), triton.cdiv(m, bm)),
         x, norm.weight, w, out, m, h, inter, norm.eps, x.stride(0), w.stride(0), out.stride(0),
         IEEE=x.dtype == torch.float32, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-        PREFETCH=_prefetch_bytes(w, ctx), num_warps=warps, num_stages=stages,
-        pdl=pdl_on(x.device, ctx),
+        PREFETCH=_prefetch_bytes(w, ctx, batch), num_warps=warps, num_stages=stages,
+        pdl=pdl_on(x.device, ctx, batch),
     )  # fmt: skip
     return out
 
 
-def matmul_add(a, w, r, kernel: str, ctx: int = 0) -> torch.Tensor:
+def matmul_add(a, w, r, kernel: str, ctx: int = 0, batch: int = 1) -> torch.Tensor:
     """r + a @ w^T: a [M, K], w [N, K], r [M, N]; `kernel` names its launch parameters."""
     m, k = a.shape
     n = w.shape[0]
@@ -355,8 +364,8 @@ def matmul_add(a, w, r, kernel: str, ctx: int = 0) -> torch.Tensor:
         _matmul_add, (triton.cdiv(n, bn), triton.cdiv(m, bm)),
         a, w, r, out, m, n, k, a.stride(0), w.stride(0), r.stride(0), out.stride(0),
         IEEE=a.dtype == torch.float32, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-        PREFETCH=_prefetch_bytes(w, ctx), num_warps=warps, num_stages=stages,
-        pdl=pdl_on(a.device, ctx),
+        PREFETCH=_prefetch_bytes(w, ctx, batch), num_warps=warps, num_stages=stages,
+        pdl=pdl_on(a.device, ctx, batch),
     )  # fmt: skip
     return out
 
@@ -364,7 +373,7 @@ def matmul_add(a, w, r, kernel: str, ctx: int = 0) -> torch.Tensor:
 def _attend(q, kc, vc, rows, b, w, attn, rows_are_slots) -> torch.Tensor:
     """The layer's attention; the triton kernel as a link of the PDL chain, and prefetching
     its committed keys, where those run."""
-    pdl, prefetch = pdl_on(q.device, attn.ctx), prefetch_on(q.device, attn.ctx)
+    pdl, prefetch = pdl_on(q.device, attn.ctx, b), prefetch_on(q.device, attn.ctx, b)
     if attn.backend == "triton" and (pdl or prefetch):
         from ddserve.engine.attention_triton import launch
 
@@ -381,10 +390,10 @@ def fused_layer_step(block, x, cos, sin, kc, vc, rows, wpos, attn, rows_are_slot
     order) in four triton kernels plus attention."""
     b, w = wpos.shape
     ctx = attn.ctx
-    q = qkv_rope(block, x, cos, sin, kc, vc, rows, wpos, ctx)
+    q = qkv_rope(block, x, cos, sin, kc, vc, rows, wpos, ctx, b)
     att = _attend(q, kc, vc, rows, b, w, attn, rows_are_slots)
-    x = matmul_add(att, block.o_proj.weight, x, "o", ctx)
-    return matmul_add(gate_up(block, x, ctx), block.down_proj.weight, x, "down", ctx)
+    x = matmul_add(att, block.o_proj.weight, x, "o", ctx, b)
+    return matmul_add(gate_up(block, x, ctx, b), block.down_proj.weight, x, "down", ctx, b)
 
 
 def fusable(cfg) -> bool:
