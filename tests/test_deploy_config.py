@@ -23,10 +23,7 @@ ROOT = Path(__file__).parents[1]
         ("- a\n- b", "top level must be a mapping"),
         ("api_server_count: 0", "api_server_count=0"),
         ("api_server_count: 2", "api_server_count=2 needs http.ingress: haproxy"),
-        (
-            "api_server_count: 2\nhttp: {ingress: haproxy}\nreplicas: {min: 1, max: 2}",
-            "with autoscaling replicas",
-        ),
+        ("replicas: {min: 1, max: 2, upscale_delay_s: -1}", "upscale_delay_s"),
         (
             "api_server_count: 2\nhttp: {ingress: haproxy}\n"
             "engine: {kind: sglang, model: m, sglang: {draft_model_path: d}}",

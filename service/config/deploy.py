@@ -32,6 +32,24 @@ class Autoscaling(_Frozen):
     target_ongoing_requests: float = Field(
         4.0, gt=0, description="In-flight requests per replica that autoscaling aims for."
     )
+    upscale_delay_s: float = Field(
+        30.0,
+        ge=0,
+        description="How long the load must call for more replicas before Serve adds them (Serve's).",
+    )
+    downscale_delay_s: float = Field(
+        600.0,
+        ge=0,
+        description="How long the load must call for fewer replicas before Serve removes them (Serve's).",
+    )
+    metrics_interval_s: float = Field(
+        10.0,
+        gt=0,
+        description="How often each replica reports its load to Serve's autoscaler (Serve's).",
+    )
+    look_back_period_s: float = Field(
+        30.0, gt=0, description="The window over which Serve averages that load (Serve's)."
+    )
 
     @model_validator(mode="after")
     def _order(self) -> Autoscaling:
@@ -91,7 +109,7 @@ class ServeConfig(_Frozen):
         1,
         ge=1,
         le=64,
-        description="API processes per replica (vLLM's --api-server-count): the replica's own and N-1 more on its port, over its one engine core; HTTP, JSON and detokenisation spread over N cores. Builtin engine with http.ingress: haproxy (Serve's direct ingress) and a fixed replica count only (Serve's autoscaling counts a replica's own process alone).",
+        description="API processes per replica (vLLM's --api-server-count): the replica's own and N-1 more on its port, over its one engine core; HTTP, JSON and detokenisation spread over N cores. Builtin engine with http.ingress: haproxy (Serve's direct ingress). With autoscaling replicas, Serve scales on each engine's running + waiting requests (every API process's; ddserve.serve.autoscaling), not on its count of the replica's own process.",
     )
     cpus_per_replica: float = Field(
         1.0, ge=0, description="Ray CPUs reserved per replica (its engine process included)."
@@ -118,10 +136,6 @@ class ServeConfig(_Frozen):
         if self.api_server_count > 1 and self.engine.kind != "builtin":
             raise ValueError(
                 f"api_server_count={self.api_server_count}: only a builtin engine's replica runs extra API processes (an SGLang engine serves its own HTTP); use 1"
-            )
-        if self.api_server_count > 1 and isinstance(self.replicas, Autoscaling):
-            raise ValueError(
-                f"api_server_count={self.api_server_count} with autoscaling replicas: Serve's autoscaling counts only the requests of a replica's own process, not its extra API processes' (it would see about 1/{self.api_server_count} of the load); use a fixed replica count or api_server_count: 1"
             )
         if self.api_server_count > 1 and self.http.ingress != "haproxy":
             raise ValueError(

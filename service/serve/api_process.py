@@ -15,8 +15,9 @@ health-checks the replica's port) and send their metrics to the replica, which e
 them through Ray with its own (`RelayExporter` -> `MetricsRelay`). They die with the
 replica; one that dies takes the replica down (Serve replaces it), as a dead engine does.
 
-Only the replica's own process is seen by Serve: its ongoing-request count, autoscaling
-signal and access log count what reaches that process.
+Only the replica's own process is seen by Serve: its ongoing-request count and access log
+count what reaches that process. Autoscaling counts the engine's requests instead, every
+process's (ddserve.serve.autoscaling).
 """
 
 from __future__ import annotations

@@ -36,6 +36,7 @@ from ddserve.config.deploy import Autoscaling, ServeConfig
 from ddserve.engine.sampling import SamplingParams
 from ddserve.errors import DDServeError, EngineError, EngineUnavailable
 from ddserve.serve.api_process import DRAIN_S, ReplicaApiProcesses, replica_app
+from ddserve.serve.autoscaling import METRIC, POLICY
 from ddserve.serve.metrics import RayExporter, poll_engine_load
 from ddserve.serve.registry import ReplicaRecord, ReplicaState, drop, publish
 
@@ -239,6 +240,16 @@ class EngineReplica:
         log.error("%s; stopping replica %s so Serve replaces it", msg, self.replica_id)
         self._die(msg)
 
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        """Serve's custom autoscaling metric (ddserve.serve.autoscaling): the engine's
+        running + waiting requests, from every API process of this replica."""
+        load_fn = getattr(self.backend.inner, "load_gauges", None)
+        if load_fn is None:  # an SGLang engine: Serve's own count (one API process)
+            return {}
+        load = load_fn()
+        running, waiting = load.get("num_requests_running", 0), load.get("num_requests_waiting", 0)
+        return {METRIC: float(running + waiting)}
+
     async def check_health(self) -> None:
         """Serve calls this every health.period_s: a real generation, or recent real traffic."""
         if not self.engine.alive():
@@ -301,7 +312,13 @@ def deployment_options(cfg: ServeConfig) -> dict:
             "min_replicas": a.min,
             "max_replicas": a.max,
             "target_ongoing_requests": a.target_ongoing_requests,
+            "upscale_delay_s": a.upscale_delay_s,
+            "downscale_delay_s": a.downscale_delay_s,
+            "metrics_interval_s": a.metrics_interval_s,
+            "look_back_period_s": a.look_back_period_s,
         }
+        if cfg.api_server_count > 1:  # Serve sees only the replica's own process's requests
+            opts["autoscaling_config"]["policy"] = {"policy_function": POLICY}
     else:
         opts["num_replicas"] = cfg.replicas
     return opts

@@ -78,6 +78,10 @@ def hp_app():
         f"engine: {{kind: builtin, model: '{MODEL}', device: cpu, max_batch: 8}}\n"
         f"http: {{host: 127.0.0.1, port: {http}, ingress: haproxy}}\n"
         "api_server_count: 2\n"
+        # autoscaling on the engines' count (ddserve.serve.autoscaling): quick to react, and
+        # a target the short bursts of the other tests stay under for less than the delay
+        "replicas: {min: 1, max: 2, target_ongoing_requests: 12, upscale_delay_s: 3,"
+        " downscale_delay_s: 600, metrics_interval_s: 0.5, look_back_period_s: 2}\n"
         "health: {period_s: 2, timeout_s: 30, recent_traffic_s: 1}\n"
     )
     address = f"127.0.0.1:{gcs}"
@@ -218,6 +222,54 @@ def test_a_dead_api_process_takes_its_replica_down_and_serve_replaces_it(hp_app)
     assert new != old, "Serve did not replace the replica whose API process died"
     seen = _processes_answering(hp_app["base"])
     assert {i for i, _, _ in seen} == {0, 1} and extra not in {p for _, _, p in seen}
+
+
+def _replicas(hp_app) -> list[dict]:
+    """The replicas `ddserve status` shows alive (a replaced one's record stays a while,
+    DEAD)."""
+    r = _ddserve(
+        hp_app["env"],
+        "status",
+        "--json",
+        "--config",
+        str(hp_app["cfg"]),
+        "--address",
+        hp_app["address"],
+    )
+    rows = json.loads(r.stdout)["replicas"] if r.stdout.strip().startswith("{") else []
+    return [x for x in rows if x["state"] in ("STARTING", "RUNNING", "UNHEALTHY")]
+
+
+def test_autoscaling_counts_the_requests_of_every_api_process(hp_app):
+    """16 requests at once on one replica, target 12 per replica: Serve's own count is the
+    replica's own process's share (about half, as HAProxy's connections spread over both),
+    under the target, so its default policy would keep one replica; the engine counts all
+    16 (8 running, 8 waiting: max_batch 8), and the deployment scales to two."""
+    assert len(_replicas(hp_app)) == 1
+    body = {"model": MODEL, "prompt": "go", "max_tokens": 200, "ignore_eos": True}
+
+    async def load(stop: asyncio.Event):
+        async with httpx.AsyncClient(base_url=hp_app["base"], timeout=120) as c:
+
+            async def one():
+                while not stop.is_set():
+                    r = await c.post("/v1/completions", json=body)
+                    assert r.status_code == 200, r.text
+
+            await asyncio.gather(*[one() for _ in range(16)])
+
+    async def main():
+        stop = asyncio.Event()
+        task = asyncio.ensure_future(load(stop))
+        deadline, n = time.time() + 90, 1
+        while time.time() < deadline and n < 2:
+            await asyncio.sleep(2)
+            n = len(await asyncio.to_thread(_replicas, hp_app))
+        stop.set()
+        await task
+        return n
+
+    assert asyncio.run(main()) == 2, "the deployment did not scale to two replicas"
 
 
 def test_deleting_the_app_lets_every_process_finish_its_streams(hp_app):
