@@ -12,8 +12,10 @@
 #   capped  --chunked-prefill-size 2048 --chunked-prefill-steps 0   (a fixed token cap)
 #   paced   --chunked-prefill-size 2048 --chunked-prefill-steps STEPS (chunks paced by time; STEPS
 #           1.5 unless set: the default)
+# and each with --overlap-prefill off (the chunk before the decode step, not beside it):
+#   capped-serial, paced-serial
 #
-#   bench/long_context.sh OUT [before] [after] [capped] [paced]
+#   bench/long_context.sh OUT [before] [after] [capped] [paced] [capped-serial] [paced-serial]
 # env: PY (python3), DEVICE (cuda), LENGTHS (30,1000,2900,7200; "" = admission only),
 #      LEVELS (1,16), REQ (32), MAXB (16), ADMISSION_ARGS (flags of bench/admission.py),
 #      STEPS (paced: --chunked-prefill-steps, 1.5), ADMIT (0: no admission run)
@@ -39,6 +41,8 @@ for part in $parts; do
     after) flags="--attention-backend triton --chunked-prefill-size 2048" ;;
     capped) flags="--chunked-prefill-size 2048 --chunked-prefill-steps 0" ;;
     paced) flags="--chunked-prefill-size 2048 --chunked-prefill-steps ${STEPS:-1.5}" ;;
+    capped-serial) flags="--chunked-prefill-size 2048 --chunked-prefill-steps 0 --overlap-prefill off" ;;
+    paced-serial) flags="--chunked-prefill-size 2048 --chunked-prefill-steps ${STEPS:-1.5} --overlap-prefill off" ;;
     *) echo "unknown part $part"; exit 2 ;;
     esac
     port=30112

@@ -323,6 +323,11 @@ class EngineConfig(_Frozen):
         description="While requests decode, a round's prompt chunk is sized to take about this many of their decode steps, measured on this engine's own rounds (ddserve.engine.prefill_pacing), within --chunked-prefill-size: a round that admits a long prompt then takes about 1 + this many steps, whatever the model, GPU or context length. The default keeps running streams' ITL p99 under 3x their p50 while a long prompt is admitted (on an H200, 2.5-2.6x at 1.5 against 3.0-3.7x at 2); 2 admits long prompts sooner (a 7,200-token prompt's first token ~35% earlier; 16 concurrent ~2,900-token prompts 0.47x of short prompts' throughput against 0.37x). 0 = the token cap alone.",
         json_schema_extra={"flag": "--chunked-prefill-steps"},
     )
+    overlap_prefill: Literal["auto", "on", "off"] = Field(
+        "auto",
+        description="While requests decode, a round's prompt chunk runs on a CUDA stream of its own, beside their decode step, instead of before it: both forwards are mostly launch-bound at these sizes and fill each other's idle multiprocessors, so the round takes about the longer of the two, not their sum. A prompt whose last chunk ran so is decoded from the next round. auto = on with CUDA; on elsewhere keeps the order (one round later) with nothing to overlap (tests).",
+        json_schema_extra={"flag": "--overlap-prefill"},
+    )
     decode_log_interval: int = Field(
         40,
         ge=0,

@@ -138,6 +138,7 @@ class EngineRunner:
         # prompt tokens a round prefills while others decode (chunked prefill, paced by time)
         self.pacer = PrefillPacer(config.chunked_prefill_size, config.chunked_prefill_steps)
         self.round_log = RoundLog(config.decode_log_interval)  # the scheduler's log line
+        self.overlap = False  # prompt chunks beside decode steps (--overlap-prefill, at load)
 
     # -- lifecycle --------------------------------------------------------------------
     def start(self) -> None:
@@ -182,6 +183,8 @@ class EngineRunner:
         drafter = self.engine.drafter
         model = self.engine.model
         params = self.config.params
+        choice = self.config.overlap_prefill
+        self.overlap = choice == "on" or (choice == "auto" and model.device.type == "cuda")
         if self.config.speculative_adaptive and not isinstance(drafter, NoDrafter):
             self.policy = SpecPolicy()
         budgets = candidates(params.budget) if self.policy else None
@@ -354,6 +357,7 @@ class EngineRunner:
         requests are prefilled first (continuous batching: join and leave between rounds)."""
         ready, joining = [], []
         chunk = [0, 0.0]  # prompt tokens prefilled this round, in seconds (the scheduler log)
+        pacing = None  # what the pacer is told of this round's chunk, once it has run
         for req in reqs:
             if req.cancelled or req.failed:
                 continue
@@ -374,11 +378,15 @@ class EngineRunner:
             budget = self.pacer.budget(decoding=bool(ready), context=context)
             t0 = time.perf_counter()
             paced = bool(ready) and budget is not None
+            # beside the running requests' step (its own stream), which then comes first
+            overlap = self.overlap and bool(ready)
             try:
-                spent = self.engine.prefill_batch([r.seq for r in joining], budget)
+                seqs = [r.seq for r in joining]
+                spent = self.engine.prefill_batch(seqs, budget, overlap=overlap)
                 chunk = [spent, time.perf_counter() - t0]
             except Exception:
-                paced, spent = False, 0
+                self.engine.join_prefill()  # what was launched has run: its slots start over
+                paced, spent, overlap = False, 0, False
                 for req in joining:
                     req.seq.hidden_new.clear()  # start each prompt over on its own
                     req.seq.cache.truncate(0)
@@ -389,7 +397,7 @@ class EngineRunner:
                 chunk = [spent, time.perf_counter() - t0]
             if paced:  # the pacer counts chunks that ended no prompt (a padded tail)
                 ended = any(not r.failed and self.engine.prefilled(r.seq) for r in joining)
-                self.pacer.prefilled(chunk[0], chunk[1], budget, ended, context)
+                pacing = (budget, ended, context)
             for req in joining:
                 st = req.seq.stats
                 # queued until its prompt's first tokens went in (first come first served
@@ -398,8 +406,10 @@ class EngineRunner:
                     st.queue_s = max(t0 - req.t0, 1e-9)
                 if not req.failed and self.engine.prefilled(req.seq):
                     req.prefilled = True
-                    ready.append(req)
+                    if not overlap:  # else stepped from the next round, its chunk run by then
+                        ready.append(req)
         if not ready:
+            self._prefill_done(chunk, pacing)
             self._log_round(chunk, 0.0, 0)
             return
         live, limit = params, self.config.spec_max_batch
@@ -415,10 +425,8 @@ class EngineRunner:
         try:
             news = self.engine.step_batch([r.seq for r in ready], params)
             step_s = time.perf_counter() - t0
-            self.pacer.stepped(step_s)
-            made = sum(len(n) for n in news if isinstance(n, list))
-            self._log_round(chunk, step_s, made, len(ready))
         except Exception:
+            self._prefill_done(chunk, pacing)
             if self.policy is not None:
                 self._adapt("failed", rows, budget)
             if len(ready) == 1:
@@ -430,6 +438,10 @@ class EngineRunner:
             for req in ready:
                 self._run_round([req], live, fingerprint)
             return
+        if not self._prefill_done(chunk, pacing):  # a step beside a chunk is no plain step
+            self.pacer.stepped(step_s)
+        made = sum(len(n) for n in news if isinstance(n, list))
+        self._log_round(chunk, step_s, made, len(ready))
         if self.policy is not None:
             done = zip(ready, news, strict=True)
             paths = [r.seq.last_path for r, n in done if not isinstance(n, Exception)]
@@ -450,6 +462,16 @@ class EngineRunner:
             req.deliver(
                 StepOutput(new, seq.finished, seq.finish_reason, fingerprint, seq.stats, lp)
             )
+
+    def _prefill_done(self, chunk: list, pacing: tuple | None) -> bool:
+        """After the round's step: wait for a chunk that ran beside it (its GPU time replaces
+        its launch time) and tell the pacer of the chunk. Whether one ran beside the step."""
+        seconds = self.engine.join_prefill()
+        if seconds is not None:
+            chunk[1] = seconds
+        if pacing is not None:
+            self.pacer.prefilled(chunk[0], chunk[1], *pacing)
+        return seconds is not None
 
     def _log_round(self, chunk: list, step_s: float, new_tokens: int, running: int = 0) -> None:
         self.round_log.record(chunk[0], chunk[1], step_s, new_tokens, running, len(self._pending))

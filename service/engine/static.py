@@ -319,26 +319,33 @@ def fused_layers_on(choice: str, device: torch.device, dtype: torch.dtype) -> bo
 
 
 class GraphCache:
-    """CUDA graphs of `fn(key)` per shape key, sharing one memory pool. `fn` reads its inputs
+    """CUDA graphs of `fn(key)` per shape key, those of one lane sharing one memory pool. `fn` reads its inputs
     from buffers that stay put and returns its outputs; a replay refreshes them in place.
     Every tensor `fn` reads must outlive the graph: one made outside it and dropped after the
     capture is freed memory at replay (make such index tensors inside `fn`).
     Off (or on CPU) it just calls `fn`. A capture that fails turns graphs off for good (logged):
-    the engine stays correct, only slower."""
+    the engine stays correct, only slower.
+    Lanes: graphs of different lanes may replay at the same time on different streams (a
+    prompt chunk beside a decode step, StaticEngine's overlapped prefill), so each lane has
+    its own memory pool and its own capture stream (cuBLAS keeps a workspace per stream that a
+    captured GEMM reuses at every replay: graphs captured on one stream share it)."""
 
-    def __init__(self, enabled: bool, name: str):
+    def __init__(self, enabled: bool, name: str, lanes: int = 1):
         self.enabled = enabled and torch.cuda.is_available()
         self.name = name
         self.graphs: dict = {}
-        self.mempool = torch.cuda.graph_pool_handle() if self.enabled else None
+        if self.enabled:
+            self.lanes = [
+                (torch.cuda.graph_pool_handle(), torch.cuda.Stream()) for _ in range(lanes)
+            ]
 
-    def run(self, key, fn: Callable[[], object]):
+    def run(self, key, fn: Callable[[], object], lane: int = 0):
         if not self.enabled:
             return fn()
         entry = self.graphs.get(key)
         if entry is None:
             try:
-                entry = self._capture(key, fn)
+                entry = self._capture(key, fn, lane)
             except Exception as exc:  # noqa: BLE001 - any capture failure: fall back to eager
                 log.warning(
                     "%s: CUDA graph capture of %s failed, running eagerly: %s", self.name, key, exc
@@ -351,7 +358,8 @@ class GraphCache:
         graph.replay()
         return out
 
-    def _capture(self, key, fn):
+    def _capture(self, key, fn, lane: int):
+        pool, capture = self.lanes[lane]
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):  # warm-up runs (allocator, cuBLAS handles) off-graph
@@ -359,6 +367,6 @@ class GraphCache:
                 fn()
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.mempool):
+        with torch.cuda.graph(graph, pool=pool, stream=capture):
             out = fn()
         return graph, out

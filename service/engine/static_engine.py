@@ -166,6 +166,7 @@ class StaticEngine(Prefill, Drafting, Accepting):
         )
         # sampled requests' rows, all at once (inputs staged like the verify's: no sync)
         self.sampler = BatchSampler(self.pool.slots * self.pool.guard, self.target.staging)
+        self._side, self._launched = None, None  # the overlapped prefill's stream, its run
         self.timing = {"rounds": 0, "draft_s": 0.0, "tree_s": 0.0, "verify_s": 0.0, "accept_s": 0.0}
 
     def _tree_kernel_runs(self) -> bool:

@@ -90,7 +90,8 @@ class StaticTarget:
             model.dtype,
         )
         self.capture = capture
-        self.graphs = GraphCache(graphs, "target")
+        # lane 1: prompt chunks (they may run beside a decode step: StaticEngine.prefill_batch)
+        self.graphs = GraphCache(graphs, "target", lanes=2)
         # prompt chunks of shapes not captured yet: captured on first use (True), or run
         # without a graph (False, once the engine's warm-up captured what it captures: a
         # capture while others decode stalled them ~0.2-0.4 s on the H200, bench/NOTES.md)
@@ -141,7 +142,7 @@ class StaticTarget:
             inp[:n].copy_(tok.view(-1))
             inp[n : 2 * n].copy_(pos.view(-1))
             inp[3 * n + 2 * b :].copy_(mask.view(-1))
-        return self.graphs.run(key, lambda: self._forward(inp, key))
+        return self.graphs.run(key, lambda: self._forward(inp, key), lane=int(not rows_are_slots))
 
     def prefill_eager(self, key: tuple) -> bool:
         """Whether a prompt chunk of this shape runs without a CUDA graph (then of any width

@@ -93,18 +93,62 @@ class Prefill:
         return seq.cache.length >= len(seq.tokens) - 1
 
     @torch.inference_mode()
-    def prefill_batch(self, seqs: list[Sequence], max_tokens: int | None = None) -> int:
+    def prefill_batch(
+        self, seqs: list[Sequence], max_tokens: int | None = None, overlap: bool = False
+    ) -> int:
         """Prefill the prompts (all but their last token) of up to PREFILL_ROWS requests per
         forward; each row reads and writes its own slot. With `max_tokens` (chunked prefill:
         the runner interleaves prompts with the running requests' rounds), at most about that
         many prompt tokens go in (`allot`); a later call goes on where this one stopped
-        (`prefilled` says when a prompt is in). Returns the prompt tokens that went in."""
+        (`prefilled` says when a prompt is in). Returns the prompt tokens that went in.
+
+        `overlap` (on CUDA): the forwards go to a stream of their own and this returns once
+        they are launched, so the caller's next forward (the running requests' decode step,
+        on its own stream) runs beside them on the GPU; `join_prefill` waits for them and must
+        come before any of these sequences is stepped, or prefilled again. The two touch
+        different slots (a slot that only pads the decode forward's shape takes writes in its
+        guard entries alone, which no real row reads). Elsewhere it runs as without."""
         quotas = self.allot(seqs, max_tokens)
         taking = [seq for seq in seqs if quotas.get(id(seq), 0) > 0]
-        spent = 0
-        for at in range(0, len(taking), PREFILL_ROWS):
-            spent += self._prefill_rows(taking[at : at + PREFILL_ROWS], quotas)
+        side = self._side_stream() if overlap and taking else None
+        if side is None:
+            return sum(
+                self._prefill_rows(taking[at : at + PREFILL_ROWS], quotas)
+                for at in range(0, len(taking), PREFILL_ROWS)
+            )
+        main = torch.cuda.current_stream()
+        side.wait_stream(main)  # what the slots' last rounds wrote
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(side):
+            start.record()
+            spent = sum(
+                self._prefill_rows(taking[at : at + PREFILL_ROWS], quotas, main)
+                for at in range(0, len(taking), PREFILL_ROWS)
+            )
+            end.record()
+        self._launched = (start, end, taking)
         return spent
+
+    def join_prefill(self) -> float | None:
+        """Wait for the prefill `prefill_batch(overlap=True)` launched; its GPU time in
+        seconds (beside whatever ran with it), or None when none is under way."""
+        launched, self._launched = self._launched, None
+        if launched is None:
+            return None
+        start, end, seqs = launched
+        end.synchronize()
+        seconds = start.elapsed_time(end) / 1e3
+        for seq in seqs:
+            seq.stats.prefill_s += seconds
+        return seconds
+
+    def _side_stream(self) -> torch.cuda.Stream | None:
+        """The overlapped prefill's stream (CUDA only)."""
+        if self.model.device.type != "cuda":
+            return None
+        if self._side is None:
+            self._side = torch.cuda.Stream(self.model.device)
+        return self._side
 
     def allot(self, seqs: list[Sequence], max_tokens: int | None) -> dict[int, float]:
         """Prompt tokens each sequence (by id, `seqs` oldest first) may take in one call.
@@ -134,7 +178,9 @@ class Prefill:
                 break
         return quotas
 
-    def _prefill_rows(self, seqs: list[Sequence], quotas: dict[int, float]) -> int:
+    def _prefill_rows(self, seqs: list[Sequence], quotas: dict[int, float], main=None) -> int:
+        """One or more forwards of up to PREFILL_ROWS prompts; `main`: launched on a side
+        stream beside that one (overlapped: nothing waits for them here)."""
         t0 = time.perf_counter()
         heads = [seq.tokens[:-1] for seq in seqs]
         left_q = [quotas[id(seq)] for seq in seqs]  # tokens each row may still take
@@ -209,7 +255,10 @@ class Prefill:
             _, _, taps = self.target.forward(packed, b, w, ctx, False)
             for r, i, n in takes:
                 if taps is not None:
-                    seqs[i].hidden_new.append(taps[r * w : r * w + n].clone())
+                    kept = taps[r * w : r * w + n].clone()
+                    if main is not None:  # read on the main stream, made on this one
+                        kept.record_stream(main)
+                    seqs[i].hidden_new.append(kept)
                 seqs[i].cache.length += n
                 left_q[i] -= n
                 spent += n
@@ -219,6 +268,8 @@ class Prefill:
                 # so 64 + 16 + 16 cost three where 64 cost one
                 if need[i] < rest[i] and left_q[i] < self.chunks[-1]:
                     left_q[i] = 0
+        if main is not None:  # launched only: join_prefill counts its time
+            return spent
         if self.model.device.type == "cuda":  # the work done, not its launch (stats, pacing)
             torch.cuda.synchronize()
         elapsed = time.perf_counter() - t0

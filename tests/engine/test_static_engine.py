@@ -577,20 +577,43 @@ def test_compiled_layers_decode_like_eager_ones(tiny):
 
 
 @pytest.mark.parametrize(
-    "chunk,steps", [(16, 0), (-1, 0), (-1, 0.05)], ids=["16-tokens", "no-limit", "paced"]
+    "chunk,steps,overlap,device",
+    [
+        (16, 0, "off", "cpu"),
+        (-1, 0, "off", "cpu"),
+        (-1, 0.05, "off", "cpu"),
+        (16, 0, "on", "cpu"),
+        (-1, 0.05, "on", "cpu"),
+        pytest.param(16, 0, "on", "cuda", marks=cuda),
+        pytest.param(-1, 0.05, "on", "cuda", marks=cuda),
+    ],
+    ids=[
+        "16-tokens",
+        "no-limit",
+        "paced",
+        "16-tokens-overlap",
+        "paced-overlap",
+        "cuda-16-tokens-overlap",
+        "cuda-paced-overlap",
+    ],
 )
-def test_long_prompt_is_admitted_between_running_rounds(chunk, steps):
+def test_long_prompt_is_admitted_between_running_rounds(chunk, steps, overlap, device):
     """A 300-token prompt arrives while a request is decoding. With chunked_prefill_size=16
     the running request keeps getting tokens while the prompt goes in (many of its rounds
     pass before the newcomer's first token); with -1 (no limit) the prompt goes in at once;
     with no token cap but chunked_prefill_steps=0.05 (chunks paced to a twentieth of a decode
-    step, at least MIN_TOKENS) a 1,900-token prompt over many rounds again. Every answer is what each gets alone."""
+    step, at least MIN_TOKENS) a 1,900-token prompt over many rounds again. Every answer is
+    what each gets alone. overlap_prefill on: the chunks run beside the running request's
+    steps (on a GPU on a stream of their own, fp32 there; here in order, the newcomer decoded
+    from the round after its last chunk): the same answers."""
     cfg = EngineConfig(
         model="tiny-random",
-        device="cpu",
+        device=device,
+        dtype="float32",
         max_batch=2,
         chunked_prefill_size=chunk,
         chunked_prefill_steps=steps,
+        overlap_prefill=overlap,
         drafter={"kind": "none"},
         params={"budget": 0},
     )
