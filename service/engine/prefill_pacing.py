@@ -31,7 +31,9 @@ prompt's last chunk runs padded to a wider shape (530 tokens as 1,024), a short 
 costs a chunk's time for fewer tokens; a slow chunk counts as at most SPIKE_CHUNK x what its
 class predicts.
 
-A round that prefills then takes about 1 + `steps` decode steps; of several prompts joining at
+A round that prefills then takes about 1 + `steps` decode steps (with the chunk beside the
+step on its own CUDA stream, --overlap-prefill, the round takes about the chunk's time alone:
+the chunk may then take 1 + `steps` steps, `beside`, and is timed on the GPU); of several prompts joining at
 once, those that fit go in whole, first come first, and the oldest longer one takes the rest
 (StaticEngine.allot). Within `--chunked-prefill-size`, at least MIN_TOKENS (short prompts are
 never split: where even that many tokens take longer than `steps` decode steps, as on a CPU,
@@ -105,6 +107,9 @@ class PrefillPacer:
         self.count = 0  # chunks measured
         self.slope_s: float | None = None  # seconds a token more, between two sizes measured
         self.context = 0  # the context of the last chunk sized
+        # chunks run beside the decode step (--overlap-prefill): the round takes about the
+        # chunk's time, not the step's plus it, so a chunk may take 1 + `steps` steps
+        self.beside = False
 
     def budget(self, decoding: bool, context: int = 0) -> int | None:
         """Prompt tokens the next round may prefill, its chunk after `context` keys of its
@@ -114,9 +119,13 @@ class PrefillPacer:
         self.context = context
         if self.steps <= 0 or self.step_s is None:
             return self.max_tokens
-        n = self._size(self.steps * self.step_s, context) if self.chunks else FIRST_TOKENS
+        n = self._size(self._target(), context) if self.chunks else FIRST_TOKENS
         n = max(MIN_TOKENS, n)
         return n if self.max_tokens is None else min(n, self.max_tokens)
+
+    def _target(self) -> float:
+        """Seconds a chunk may take: `steps` decode steps (1 more beside the step)."""
+        return (self.steps + (1 if self.beside else 0)) * (self.step_s or 0.0)
 
     def _per_key_token(self) -> float:
         slopes = [(s.slope(), s.n) for s in self.chunks.values()]
@@ -171,7 +180,7 @@ class PrefillPacer:
         else:
             seconds = min(seconds, SPIKE_CHUNK * size.at(context, self._per_key_token()))
         size.add(tokens, context, seconds, self.count)
-        target = self.steps * (self.step_s or 0.0)
+        target = self._target()
         for c, s in list(self.chunks.items()):
             late = self.count - s.when
             if late > (4 * STALE if s.sy / s.w > OVER * target else STALE):

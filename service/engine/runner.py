@@ -115,6 +115,10 @@ async def health_generation(outputs: AsyncIterator, timeout: float, t0: float) -
     return time.perf_counter() - t0
 
 
+# "0": decode steps keep the default stream's priority beside overlapped prompt chunks (A/B)
+PRIORITY_ENV = "DDSERVE_DECODE_PRIORITY"
+
+
 class EngineRunner:
     def __init__(self, config: EngineConfig, *, loaded: LoadedModel | None = None):
         self.config = config
@@ -185,6 +189,7 @@ class EngineRunner:
         params = self.config.params
         choice = self.config.overlap_prefill
         self.overlap = choice == "on" or (choice == "auto" and model.device.type == "cuda")
+        self.pacer.beside = self.overlap and model.device.type == "cuda"
         if self.config.speculative_adaptive and not isinstance(drafter, NoDrafter):
             self.policy = SpecPolicy()
         budgets = candidates(params.budget) if self.policy else None
@@ -321,6 +326,11 @@ class EngineRunner:
     # -- worker -----------------------------------------------------------------------
     def _loop(self) -> None:
         torch.set_grad_enabled(False)
+        device = self.engine.model.device
+        if self.overlap and device.type == "cuda" and os.environ.get(PRIORITY_ENV) != "0":
+            # decode steps on a stream of high priority: beside a prompt chunk (the default
+            # stream's priority, the lowest), their kernels are scheduled first
+            torch.cuda.set_stream(torch.cuda.Stream(device, priority=-1))
         while True:
             with self._cv:
                 while not self._stopping and not self._pending and not self._active:

@@ -32,6 +32,13 @@ def test_the_chunk_takes_about_steps_decode_steps():
     p.stepped(0.002)
     p.prefilled(256, 0.5)  # prefill far slower than a step (a CPU): short prompts stay whole
     assert p.budget(decoding=True) == MIN_TOKENS
+    # beside the decode step (--overlap-prefill) the round takes about the chunk's time
+    # alone: the chunk may take 1 + steps of them, the round's length serial
+    p = PrefillPacer(-1, 2.0)
+    p.beside = True
+    p.stepped(0.002)
+    p.prefilled(256, 256 * 5e-6)
+    assert p.budget(decoding=True) == 1200  # (2 + 1) x 2 ms / 5 us
 
 
 def test_it_follows_the_cost_as_the_context_grows():
