@@ -34,7 +34,7 @@ from ddserve.api.generation import Delta, TextStream
 from ddserve.backends.core_process import CoreProcess, CoreRef
 from ddserve.config.engine import EngineConfig, LiveParams
 from ddserve.engine import ipc
-from ddserve.engine.runner import health_generation
+from ddserve.engine.requests import health_generation
 from ddserve.engine.sampling import Logprobs, RequestStats, SamplingParams
 from ddserve.errors import EngineUnavailable, error_from_body
 

@@ -25,7 +25,8 @@ import zmq
 
 from ddserve.config.engine import EngineConfig
 from ddserve.engine import ipc
-from ddserve.engine.runner import EngineRequest, EngineRunner, StepOutput
+from ddserve.engine.requests import EngineRequest, StepOutput
+from ddserve.engine.runner import EngineRunner
 from ddserve.errors import (
     ConfigError,
     DDServeError,

@@ -24,102 +24,35 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
 
 import torch
 
-from ddserve.config.engine import EngineConfig, LiveParams
+from ddserve.config.engine import EngineConfig
 from ddserve.engine.adaptive import SpecPolicy, candidates
 from ddserve.engine.build import build_engine
 from ddserve.engine.drafters import NoDrafter
 from ddserve.engine.prefill_pacing import PrefillPacer
+from ddserve.engine.requests import AsyncRequest, EngineRequest, StepOutput, health_generation
 from ddserve.engine.round_log import RoundLog
-from ddserve.engine.sampling import Logprobs, RequestStats, SamplingParams
-from ddserve.engine.sequence import Sequence
+from ddserve.engine.rounds import Rounds
+from ddserve.engine.sampling import SamplingParams
 from ddserve.engine.static_engine import StaticEngine
 from ddserve.engine.weights import LoadedModel
-from ddserve.errors import EngineError, EngineUnavailable, InvalidRequest
+from ddserve.errors import EngineUnavailable, InvalidRequest
 
 log = logging.getLogger(__name__)
 
 WARM_PROMPT_TOKENS = 24  # the start-up generation's prompt (a short chat's prefill chunk)
 
 
-@dataclass
-class StepOutput:
-    token_ids: list[int]  # new tokens of this round
-    finished: bool
-    finish_reason: str | None
-    fingerprint: str
-    stats: RequestStats  # the request's statistics so far
-    logprobs: Logprobs | None = None  # raw log-probs of token_ids, when the request asks
-
-
-class EngineRequest:
-    """One request as the worker sees it. `deliver` hands a StepOutput or an exception to
-    whoever waits for it; subclasses say where (an asyncio queue in this process; the
-    engine core's per-round outbox, ddserve.engine.core)."""
-
-    def __init__(self, prompt: list[int], sampling: SamplingParams):
-        self.prompt, self.sampling = prompt, sampling
-        self.t0 = time.perf_counter()  # received (request phase times: RequestStats)
-        self.seq: Sequence | None = None  # made by the worker thread
-        self.failed = False
-        self.cancelled = False
-        self.prefilled = False
-
-    @property
-    def finished(self) -> bool:
-        return self.failed or (self.seq is not None and self.seq.finished)
-
-    def deliver(self, item: StepOutput | BaseException) -> None:
-        raise NotImplementedError
-
-
-class _AsyncRequest(EngineRequest):
-    """A request of `EngineRunner.generate`: outputs go to the caller's event loop."""
-
-    def __init__(self, prompt: list[int], sampling: SamplingParams, loop):
-        super().__init__(prompt, sampling)
-        self.loop = loop
-        self.queue: asyncio.Queue = asyncio.Queue()
-
-    def deliver(self, item) -> None:
-        try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
-        except RuntimeError:  # the client's event loop is gone; nobody is waiting
-            self.cancelled = True
-
-
-async def health_generation(outputs: AsyncIterator, timeout: float, t0: float) -> float:
-    """Drain a one-token health generation (any iterator of outputs with `token_ids`) within
-    `timeout`; returns seconds since `t0` (time.perf_counter), or raises EngineUnavailable /
-    EngineError. The one health rule of the in-process runner and the engine core's client."""
-
-    async def count() -> int:
-        n = 0
-        async for out in outputs:
-            n += len(out.token_ids)
-        return n
-
-    try:
-        n = await asyncio.wait_for(count(), timeout)
-    except TimeoutError as exc:
-        raise EngineUnavailable(f"health generation did not finish within {timeout:.0f}s") from exc
-    if n < 1:
-        raise EngineError("health generation returned no token")
-    return time.perf_counter() - t0
-
-
 # "0": decode steps keep the default stream's priority beside overlapped prompt chunks (A/B)
 PRIORITY_ENV = "DDSERVE_DECODE_PRIORITY"
 
 
-class EngineRunner:
+class EngineRunner(Rounds):
     def __init__(self, config: EngineConfig, *, loaded: LoadedModel | None = None):
         self.config = config
         self._loaded = loaded
@@ -271,7 +204,7 @@ class EngineRunner:
     async def generate(
         self, prompt: list[int], sampling: SamplingParams
     ) -> AsyncIterator[StepOutput]:
-        req = _AsyncRequest(prompt, sampling, asyncio.get_running_loop())
+        req = AsyncRequest(prompt, sampling, asyncio.get_running_loop())
         self.submit(req)
         try:
             while True:
@@ -361,153 +294,3 @@ class EngineRunner:
         free = self.engine.free_slots
         unprefilled = sum(1 for r in self._active if r.seq is None and not r.failed)
         return max(0, free - unprefilled)
-
-    def _run_round(self, reqs: list[EngineRequest], params: LiveParams, fingerprint: str) -> None:
-        """One round of every request in `reqs`, their trees verified in one forward. New
-        requests are prefilled first (continuous batching: join and leave between rounds)."""
-        ready, joining = [], []
-        chunk = [0, 0.0]  # prompt tokens prefilled this round, in seconds (the scheduler log)
-        pacing = None  # what the pacer is told of this round's chunk, once it has run
-        for req in reqs:
-            if req.cancelled or req.failed:
-                continue
-            if req.prefilled:
-                ready.append(req)
-                continue
-            if req.seq is None:
-                try:
-                    req.seq = self.engine.new_sequence(req.prompt, req.sampling)
-                except Exception as exc:
-                    self._fail(req, exc)
-                    continue
-            joining.append(req)
-        if joining:  # the new requests' prompts in one batch; one by one if that fails
-            # while others decode, a bounded chunk per round (chunked prefill); alone, all of it
-            # the chunk's context: the keys the oldest prompt under way has in (first come)
-            context = max(r.seq.cache.length for r in joining)
-            budget = self.pacer.budget(decoding=bool(ready), context=context)
-            t0 = time.perf_counter()
-            paced = bool(ready) and budget is not None
-            # beside the running requests' step (its own stream), which then comes first
-            overlap = self.overlap and bool(ready)
-            try:
-                seqs = [r.seq for r in joining]
-                spent = self.engine.prefill_batch(seqs, budget, overlap=overlap)
-                chunk = [spent, time.perf_counter() - t0]
-            except Exception:
-                self.engine.join_prefill()  # what was launched has run: its slots start over
-                paced, spent, overlap = False, 0, False
-                for req in joining:
-                    req.seq.hidden_new.clear()  # start each prompt over on its own
-                    req.seq.cache.truncate(0)
-                    try:
-                        spent += self.engine.prefill_batch([req.seq], budget)
-                    except Exception as exc:
-                        self._fail(req, exc)
-                chunk = [spent, time.perf_counter() - t0]
-            if paced:  # the pacer counts chunks that ended no prompt (a padded tail)
-                ended = any(not r.failed and self.engine.prefilled(r.seq) for r in joining)
-                pacing = (budget, ended, context)
-            for req in joining:
-                st = req.seq.stats
-                # queued until its prompt's first tokens went in (first come first served
-                # keeps younger long prompts waiting with their sequences made)
-                if not st.queue_s and (req.seq.cache.length or self.engine.prefilled(req.seq)):
-                    st.queue_s = max(t0 - req.t0, 1e-9)
-                if not req.failed and self.engine.prefilled(req.seq):
-                    req.prefilled = True
-                    if not overlap:  # else stepped from the next round, its chunk run by then
-                        ready.append(req)
-        if not ready:
-            self._prefill_done(chunk, pacing)
-            self._log_round(chunk, 0.0, 0)
-            return
-        live, limit = params, self.config.spec_max_batch
-        budget, rows = params.budget, self._rows(len(ready))
-        if limit is not None and len(ready) > limit:
-            budget = 0  # batch-bound: verify roots only
-        elif self.policy is not None:
-            budget = self._adapt("choose", rows, budget, default=budget)
-        if budget != params.budget:
-            params = params.model_copy(update={"budget": budget})
-        self.last_budget = budget
-        t0 = time.perf_counter()
-        try:
-            news = self.engine.step_batch([r.seq for r in ready], params)
-            step_s = time.perf_counter() - t0
-        except Exception:
-            self._prefill_done(chunk, pacing)
-            if self.policy is not None:
-                self._adapt("failed", rows, budget)
-            if len(ready) == 1:
-                self._fail(ready[0], sys.exc_info()[1])
-                return
-            # the shared part failed (drafts or verify), before any commit: run them one by
-            # one so only the failing one ends (each with the live parameters again)
-            log.warning("batched round failed; retrying its %d requests one by one", len(ready))
-            for req in ready:
-                self._run_round([req], live, fingerprint)
-            return
-        if not self._prefill_done(chunk, pacing):  # a step beside a chunk is no plain step
-            self.pacer.stepped(step_s)
-        made = sum(len(n) for n in news if isinstance(n, list))
-        self._log_round(chunk, step_s, made, len(ready))
-        if self.policy is not None:
-            done = zip(ready, news, strict=True)
-            paths = [r.seq.last_path for r, n in done if not isinstance(n, Exception)]
-            self._adapt("record", rows, budget, time.perf_counter() - t0, paths)
-        # past the shared forward each request's outcome is its own: a failure ends that
-        # request only, every other one gets this round's tokens (exactly once)
-        for req, new in zip(ready, news, strict=True):
-            if isinstance(new, Exception):
-                self._fail(req, new)
-                continue
-            seq, st, since = req.seq, req.seq.stats, time.perf_counter() - req.t0
-            if new and not st.first_token_s:
-                st.first_token_s = since
-            if seq.finished:
-                st.finish_s = since
-                st.first_token_s = st.first_token_s or since  # none came out
-            lp = None if seq.logprobs is None else seq.logprobs.slice(len(seq.logprobs) - len(new))
-            req.deliver(
-                StepOutput(new, seq.finished, seq.finish_reason, fingerprint, seq.stats, lp)
-            )
-
-    def _prefill_done(self, chunk: list, pacing: tuple | None) -> bool:
-        """After the round's step: wait for a chunk that ran beside it (its GPU time replaces
-        its launch time) and tell the pacer of the chunk. Whether one ran beside the step."""
-        seconds = self.engine.join_prefill()
-        if seconds is not None:
-            chunk[1] = seconds
-        if pacing is not None:
-            self.pacer.prefilled(chunk[0], chunk[1], *pacing)
-        return seconds is not None
-
-    def _log_round(self, chunk: list, step_s: float, new_tokens: int, running: int = 0) -> None:
-        self.round_log.record(chunk[0], chunk[1], step_s, new_tokens, running, len(self._pending))
-
-    def _rows(self, ready: int) -> int:
-        """The rows a round of `ready` requests verifies: the static engine's forward covers
-        slots 0..used_rows-1 (its graphs' batch size), which the adaptive policy keys by."""
-        pool = getattr(self.engine, "pool", None)
-        return max(ready, pool.used_rows) if pool is not None else ready
-
-    def _adapt(self, verb: str, *args, default=None):
-        """A call of the adaptive policy that can never take the round down with it: on an
-        error, log it, stop adapting (rounds use the live budget) and go on."""
-        try:
-            return getattr(self.policy, verb)(*args)
-        except Exception:  # noqa: BLE001 - plain arithmetic, but never worth a request
-            log.exception("adaptive speculation failed; using the live budget from now on")
-            self.policy = None
-            return default
-
-    @staticmethod
-    def _fail(req: EngineRequest, exc: BaseException) -> None:
-        """Torch errors and EngineError alike end this request only."""
-        log.error("request failed in the engine: %s", exc, exc_info=exc)
-        err = exc if isinstance(exc, EngineError) else EngineError(f"engine failure: {exc}")
-        if req.seq is not None:
-            req.seq.finish_reason = "error"
-        req.failed = True
-        req.deliver(err)

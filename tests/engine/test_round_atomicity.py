@@ -65,7 +65,7 @@ def alone(runner):
 
 def test_a_request_failing_in_a_batched_round_fails_alone(runner, caplog):
     solo = alone(runner)
-    caplog.set_level("WARNING", logger="ddserve.engine.runner")
+    caplog.set_level("WARNING", logger="ddserve.engine.rounds")
 
     async def main():
         innocent = [collect(runner, p, greedy()) for p in INNOCENT]
