@@ -25,7 +25,7 @@ class Rounds:
     def _run_round(self, reqs: list[EngineRequest], params: LiveParams, fingerprint: str) -> None:
         """One round of every request in `reqs`, their trees verified in one forward. New
         requests are prefilled first (continuous batching: join and leave between rounds)."""
-        ready, joining = [], []
+        ready, joining, overlap = [], [], False
         chunk = [0, 0.0]  # prompt tokens prefilled this round, in seconds (the scheduler log)
         pacing = None  # what the pacer is told of this round's chunk, once it has run
         for req in reqs:
@@ -79,7 +79,7 @@ class Rounds:
                     if not overlap:  # else stepped from the next round, its chunk run by then
                         ready.append(req)
         if not ready:
-            self._prefill_done(chunk, pacing)
+            self._prefill_done(chunk, pacing, joining)
             self._log_round(chunk, 0.0, 0)
             return
         live, limit = params, self.config.spec_max_batch
@@ -96,7 +96,7 @@ class Rounds:
             news = self.engine.step_batch([r.seq for r in ready], params)
             step_s = time.perf_counter() - t0
         except Exception:
-            self._prefill_done(chunk, pacing)
+            self._prefill_done(chunk, pacing, joining)
             if self.policy is not None:
                 self._adapt("failed", rows, budget)
             if len(ready) == 1:
@@ -108,14 +108,15 @@ class Rounds:
             for req in ready:
                 self._run_round([req], live, fingerprint)
             return
-        if not self._prefill_done(chunk, pacing):  # a step beside a chunk is no plain step
+        self._prefill_done(chunk, pacing, joining)
+        if not overlap:  # a step beside a chunk is no plain step: neither model counts it
             self.pacer.stepped(step_s)
         made = sum(len(n) for n in news if isinstance(n, list))
         self._log_round(chunk, step_s, made, len(ready))
-        if self.policy is not None:
+        if self.policy is not None and not overlap:
             done = zip(ready, news, strict=True)
             paths = [r.seq.last_path for r, n in done if not isinstance(n, Exception)]
-            self._adapt("record", rows, budget, time.perf_counter() - t0, paths)
+            self._adapt("record", rows, budget, step_s, paths)
         # past the shared forward each request's outcome is its own: a failure ends that
         # request only, every other one gets this round's tokens (exactly once)
         for req, new in zip(ready, news, strict=True):
@@ -133,15 +134,21 @@ class Rounds:
                 StepOutput(new, seq.finished, seq.finish_reason, fingerprint, seq.stats, lp)
             )
 
-    def _prefill_done(self, chunk: list, pacing: tuple | None) -> bool:
+    def _prefill_done(self, chunk: list, pacing: tuple | None, joining: list) -> None:
         """After the round's step: wait for a chunk that ran beside it (its GPU time replaces
-        its launch time) and tell the pacer of the chunk. Whether one ran beside the step."""
-        seconds = self.engine.join_prefill()
+        its launch time) and tell the pacer of the chunk. A chunk that failed on the device
+        ends the requests it was for (an error, never a stalled worker)."""
+        try:
+            seconds = self.engine.join_prefill()
+        except Exception as exc:  # noqa: BLE001 - a device error, surfaced at the wait
+            for req in joining:
+                if not req.failed:
+                    self._fail(req, exc)
+            return
         if seconds is not None:
             chunk[1] = seconds
         if pacing is not None:
             self.pacer.prefilled(chunk[0], chunk[1], *pacing)
-        return seconds is not None
 
     def _log_round(self, chunk: list, step_s: float, new_tokens: int, running: int = 0) -> None:
         self.round_log.record(chunk[0], chunk[1], step_s, new_tokens, running, len(self._pending))

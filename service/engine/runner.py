@@ -263,6 +263,7 @@ class EngineRunner(Rounds):
         if self.overlap and device.type == "cuda" and os.environ.get(PRIORITY_ENV) != "0":
             # decode steps on a stream of high priority: beside a prompt chunk (the default
             # stream's priority, the lowest), their kernels are scheduled first
+            torch.cuda.synchronize()  # the warm-up's last work, queued on the default stream
             torch.cuda.set_stream(torch.cuda.Stream(device, priority=-1))
         while True:
             with self._cv:

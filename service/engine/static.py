@@ -319,24 +319,30 @@ def fused_layers_on(choice: str, device: torch.device, dtype: torch.dtype) -> bo
 
 
 class GraphCache:
-    """CUDA graphs of `fn(key)` per shape key, those of one lane sharing one memory pool. `fn` reads its inputs
-    from buffers that stay put and returns its outputs; a replay refreshes them in place.
+    """CUDA graphs of `fn(key)` per shape key, those of one lane sharing one memory pool. `fn`
+    reads its inputs from buffers that stay put and returns its outputs; a replay refreshes
+    them in place.
     Every tensor `fn` reads must outlive the graph: one made outside it and dropped after the
     capture is freed memory at replay (make such index tensors inside `fn`).
     Off (or on CPU) it just calls `fn`. A capture that fails turns graphs off for good (logged):
     the engine stays correct, only slower.
     Lanes: graphs of different lanes may replay at the same time on different streams (a
     prompt chunk beside a decode step, StaticEngine's overlapped prefill), so each lane has
-    its own memory pool and its own capture stream (cuBLAS keeps a workspace per stream that a
-    captured GEMM reuses at every replay: graphs captured on one stream share it)."""
+    its own memory pool, its own capture stream (cuBLAS keeps a workspace per stream that a
+    captured GEMM reuses at every replay: graphs captured on one stream share it) and its own
+    stream for the warm-up runs before a capture. All are drawn here, once: torch hands out
+    streams round-robin from a pool of 32, so a stream drawn per capture would sooner or
+    later be another lane's."""
 
     def __init__(self, enabled: bool, name: str, lanes: int = 1):
         self.enabled = enabled and torch.cuda.is_available()
         self.name = name
         self.graphs: dict = {}
+        self.lanes: list[tuple] = []  # (memory pool, capture stream, warm-up stream)
         if self.enabled:
             self.lanes = [
-                (torch.cuda.graph_pool_handle(), torch.cuda.Stream()) for _ in range(lanes)
+                (torch.cuda.graph_pool_handle(), torch.cuda.Stream(), torch.cuda.Stream())
+                for _ in range(lanes)
             ]
 
     def run(self, key, fn: Callable[[], object], lane: int = 0):
@@ -359,8 +365,7 @@ class GraphCache:
         return out
 
     def _capture(self, key, fn, lane: int):
-        pool, capture = self.lanes[lane]
-        stream = torch.cuda.Stream()
+        pool, capture, stream = self.lanes[lane]
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):  # warm-up runs (allocator, cuBLAS handles) off-graph
             for _ in range(2):

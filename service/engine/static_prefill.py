@@ -119,13 +119,17 @@ class Prefill:
         main = torch.cuda.current_stream()
         side.wait_stream(main)  # what the slots' last rounds wrote
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        with torch.cuda.stream(side):
-            start.record()
-            spent = sum(
-                self._prefill_rows(taking[at : at + PREFILL_ROWS], quotas, main)
-                for at in range(0, len(taking), PREFILL_ROWS)
-            )
-            end.record()
+        try:
+            with torch.cuda.stream(side):
+                start.record()
+                spent = sum(
+                    self._prefill_rows(taking[at : at + PREFILL_ROWS], quotas, main)
+                    for at in range(0, len(taking), PREFILL_ROWS)
+                )
+                end.record()
+        except BaseException:
+            side.synchronize()  # what was launched has run before anyone retries these slots
+            raise
         self._launched = (start, end, taking)
         return spent
 
@@ -143,11 +147,15 @@ class Prefill:
         return seconds
 
     def _side_stream(self) -> torch.cuda.Stream | None:
-        """The overlapped prefill's stream (CUDA only)."""
+        """The overlapped prefill's stream (CUDA only): the prompt chunks' graph lane's
+        capture stream, so that chunks without a graph share the cuBLAS workspace of those
+        graphs only, on the one stream that runs them all (a stream drawn anew could be any
+        of the pool's, another lane's capture stream among them)."""
         if self.model.device.type != "cuda":
             return None
         if self._side is None:
-            self._side = torch.cuda.Stream(self.model.device)
+            lanes = self.target.graphs.lanes
+            self._side = lanes[1][1] if lanes else torch.cuda.Stream(self.model.device)
         return self._side
 
     def allot(self, seqs: list[Sequence], max_tokens: int | None) -> dict[int, float]:
@@ -235,11 +243,14 @@ class Prefill:
                 ctx = self.target.ctx_bucket(max(seqs[i].cache.length for i in rows_in) + w)
             todo = rows_in
             toks = np.zeros((b, w), dtype=np.int64)
-            # rows that only fill the shape (slot 0) write into the guard entries only: a chunk
-            # wider than the guard would reach slot 0's real ones (entries clamped to the
-            # guard's first take several writes of garbage; nothing reads them)
+            # rows that only fill the shape write into the guard entries only (a chunk wider
+            # than the guard would reach real ones: entries clamped to the guard's first take
+            # several writes of garbage; nothing reads them) of the chunk's first prompt's
+            # slot: never a slot being stepped, whose tree may reach its guard near the end of
+            # its context, while this chunk runs beside that step (overlapped prefill)
             pos = np.tile(np.maximum(np.arange(ml - w, ml), ml - self.pool.guard), (b, 1))
-            lens, rows = np.zeros(b, dtype=np.int64), np.zeros(b, dtype=np.int64)
+            lens = np.zeros(b, dtype=np.int64)
+            rows = np.full(b, seqs[todo[0]].cache.slot, dtype=np.int64)
             takes, longest = [], 0
             for r, i in enumerate(todo):
                 at = seqs[i].cache.length
