@@ -33,12 +33,12 @@ class predicts.
 
 A round that prefills then takes about 1 + `steps` decode steps (with the chunk beside the
 step on its own CUDA stream, --overlap-prefill, the round takes about the chunk's time alone:
-the chunk may then take 1 + `steps` steps, `beside`, and is timed on the GPU); of several prompts joining at
-once, those that fit go in whole, first come first, and the oldest longer one takes the rest
-(StaticEngine.allot). Within `--chunked-prefill-size`, at least MIN_TOKENS (short prompts are
-never split: where even that many tokens take longer than `steps` decode steps, as on a CPU,
-rounds that admit a long prompt take longer than the target); FIRST_TOKENS before any chunk is
-measured. An idle engine prefills whole.
+the chunk may then take 1 + `steps` steps, `beside`, and is timed on the GPU); of several
+prompts joining at once, those that fit go in whole, first come first, and the oldest longer
+one takes the rest (StaticEngine.allot). Within `--chunked-prefill-size`, at least MIN_TOKENS
+(short prompts are never split: where even that many tokens take longer than `steps` decode
+steps, as on a CPU, rounds that admit a long prompt take longer than the target);
+FIRST_TOKENS before any chunk is measured. An idle engine prefills whole.
 """
 
 from __future__ import annotations
