@@ -117,3 +117,61 @@ def test_no_sampling_value_makes_sampling_fail(temperature, top_p, top_k):
     else:
         _, toks, ok = sample_rows(logits, [SampleGroup(0, 5, sp, None, gen)])
         assert bool(ok.all()) and bool(((toks >= 0) & (toks < 50)).all())
+
+
+def test_a_chunk_failing_beside_the_step_fails_its_own_requests_only():
+    """overlap_prefill: a joining prompt's chunk runs beside the running requests' step and
+    is waited for after it. A device error surfacing at that wait (here raised by the join:
+    on a CPU nothing overlaps) ends the requests the chunk was for, with an error; the running
+    request gets every token it gets alone, and the worker keeps serving."""
+    cfg = EngineConfig(
+        model="tiny-random",
+        device="cpu",
+        max_batch=4,
+        overlap_prefill="on",
+        drafter={"kind": "none"},
+        params={"budget": 0},
+    )
+    r = EngineRunner(cfg)
+    r.start()
+    try:
+        running = [1, 5, 6, 7, 8]
+        solo = asyncio.run(collect(r, running, greedy(200)))[0]
+        engine, launched = r.engine, []
+        prefill, join = engine.prefill_batch, engine.join_prefill
+
+        def prefill_batch(seqs, budget=None, overlap=False):
+            launched.append(overlap)
+            return prefill(seqs, budget, overlap=overlap)
+
+        def join_prefill():
+            if launched and launched[-1]:  # the chunk ran beside a step: it "failed"
+                launched.clear()
+                raise RuntimeError("CUDA error: an illegal memory access was encountered")
+            return join()
+
+        engine.prefill_batch, engine.join_prefill = prefill_batch, join_prefill
+
+        async def main():
+            out, started = [], asyncio.Event()
+
+            async def first():
+                async for step in r.generate(running, greedy(200)):
+                    out.extend(step.token_ids)
+                    started.set()
+                return out, None
+
+            task = asyncio.create_task(first())
+            await started.wait()  # it decodes when the newcomer joins
+            late = await asyncio.wait_for(collect(r, [1, 42, 43, 44], greedy(8)), 60)
+            return await asyncio.wait_for(task, 60), late
+
+        (out, err), (late_out, late_err) = asyncio.run(main())
+        assert err is None and out == solo
+        assert isinstance(late_err, EngineError) and "illegal memory access" in str(late_err)
+        assert late_out == []
+        engine.prefill_batch, engine.join_prefill = prefill, join
+        again, err = asyncio.run(asyncio.wait_for(collect(r, [1, 42, 43, 44], greedy(8)), 60))
+        assert err is None and len(again) == 8  # still serving
+    finally:
+        r.shutdown()
