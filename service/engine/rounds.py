@@ -54,8 +54,7 @@ class Rounds:
                 seqs = [r.seq for r in joining]
                 spent = self.engine.prefill_batch(seqs, budget, overlap=overlap)
                 chunk = [spent, time.perf_counter() - t0]
-            except Exception:
-                self.engine.join_prefill()  # what was launched has run: its slots start over
+            except Exception:  # (an overlapped one has waited for what it launched)
                 paced, spent, overlap = False, 0, False
                 for req in joining:
                     req.seq.hidden_new.clear()  # start each prompt over on its own
