@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -318,6 +319,14 @@ def fused_layers_on(choice: str, device: torch.device, dtype: torch.dtype) -> bo
     return True
 
 
+class Lane(NamedTuple):
+    """What a GraphCache's graphs of one lane share."""
+
+    pool: object  # torch.cuda.graph_pool_handle()
+    capture: torch.cuda.Stream
+    warm_up: torch.cuda.Stream
+
+
 class GraphCache:
     """CUDA graphs of `fn(key)` per shape key, those of one lane sharing one memory pool. `fn`
     reads its inputs from buffers that stay put and returns its outputs; a replay refreshes
@@ -338,10 +347,10 @@ class GraphCache:
         self.enabled = enabled and torch.cuda.is_available()
         self.name = name
         self.graphs: dict = {}
-        self.lanes: list[tuple] = []  # (memory pool, capture stream, warm-up stream)
+        self.lanes: list[Lane] = []
         if self.enabled:
             self.lanes = [
-                (torch.cuda.graph_pool_handle(), torch.cuda.Stream(), torch.cuda.Stream())
+                Lane(torch.cuda.graph_pool_handle(), torch.cuda.Stream(), torch.cuda.Stream())
                 for _ in range(lanes)
             ]
 
@@ -365,7 +374,7 @@ class GraphCache:
         return out
 
     def _capture(self, key, fn, lane: int):
-        pool, capture, stream = self.lanes[lane]
+        pool, capture, stream = self.lanes[lane]  # its warm-up runs go to `stream`
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):  # warm-up runs (allocator, cuBLAS handles) off-graph
             for _ in range(2):

@@ -155,7 +155,7 @@ class Prefill:
             return None
         if self._side is None:
             lanes = self.target.graphs.lanes
-            self._side = lanes[1][1] if lanes else torch.cuda.Stream(self.model.device)
+            self._side = lanes[1].capture if lanes else torch.cuda.Stream(self.model.device)
         return self._side
 
     def allot(self, seqs: list[Sequence], max_tokens: int | None) -> dict[int, float]:
