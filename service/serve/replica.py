@@ -27,7 +27,7 @@ import ray
 from ray import serve
 
 from ddserve.api.app import freeze_startup_heap
-from ddserve.api.observability import MeteredBackend, drafter_depth
+from ddserve.api.observability import MeteredBackend, drafter_depth, engine_load
 from ddserve.api.text import encode
 from ddserve.backends.core import CoreBackend
 from ddserve.backends.process import EngineProcess
@@ -76,7 +76,7 @@ class EngineReplica:
                 inner,
                 exporter,
                 drafter_depth=drafter_depth(ecfg.drafter.model_dump()),
-                load=getattr(inner, "load_gauges", None),
+                load=engine_load(inner),
             )
             await self.backend.refresh()
             if self.cfg.api_server_count > 1:
@@ -243,7 +243,7 @@ class EngineReplica:
     async def record_autoscaling_stats(self) -> dict[str, float]:
         """Serve's custom autoscaling metric (ddserve.serve.autoscaling): the engine's
         running + waiting requests, from every API process of this replica."""
-        load_fn = getattr(self.backend.inner, "load_gauges", None)
+        load_fn = engine_load(self.backend.inner)
         if load_fn is None:  # an SGLang engine: Serve's own count (one API process)
             return {}
         load = load_fn()
