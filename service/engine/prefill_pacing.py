@@ -33,7 +33,8 @@ class predicts.
 
 A round that prefills then takes about 1 + `steps` decode steps (with the chunk beside the
 step on its own CUDA stream, --overlap-prefill, the round takes about the chunk's time alone:
-the chunk may then take 1 + `steps` steps, `beside`, and is timed on the GPU); of several
+the chunk may then take 1 + `steps` steps, `beside`, and is timed on the GPU; a step beside
+a chunk is not timed as a plain one, so one round in REFRESH + 1 steps alone); of several
 prompts joining at once, those that fit go in whole, first come first, and the oldest longer
 one takes the rest (StaticEngine.allot). Within `--chunked-prefill-size`, at least MIN_TOKENS
 (short prompts are never split: where even that many tokens take longer than `steps` decode
@@ -60,6 +61,13 @@ SPIKE_CHUNK = 1.2  # a chunk counts as at most this many times what its class pr
 RETRY = 1.25
 RETRY_AFTER = 8
 SPREAD = 256  # keys: contexts this far apart (standard deviation) give a class its own slope
+# beside the step (--overlap-prefill) a step is timed with a chunk taking the device too, so it
+# is no plain step: after this many such rounds in a row, one round leaves its joining prompts
+# for the next and its step, alone, refreshes the step time chunks are sized by (and adaptive
+# speculation's round times). Without it a run of rounds that all carry a chunk sizes them
+# by the last plain step's time, taken at another batch size and context. That round costs
+# the prompts one plain step's wait, once in REFRESH + 1 rounds.
+REFRESH = 16
 
 
 class _Size:
@@ -110,6 +118,12 @@ class PrefillPacer:
         # chunks run beside the decode step (--overlap-prefill): the round takes about the
         # chunk's time, not the step's plus it, so a chunk may take 1 + `steps` steps
         self.beside = False
+        self.rounds_beside = 0  # rounds in a row whose step ran beside a chunk
+
+    def plain_due(self) -> bool:
+        """Whether the next round should step alone (no chunk beside it) to time a plain
+        step: none timed yet, or REFRESH rounds in a row ran their step beside a chunk."""
+        return self.step_s is None or self.rounds_beside >= REFRESH
 
     def budget(self, decoding: bool, context: int = 0) -> int | None:
         """Prompt tokens the next round may prefill, its chunk after `context` keys of its
@@ -190,10 +204,16 @@ class PrefillPacer:
         """A decode round (draft + verify) of the running requests took `seconds`. A spike
         (a graph captured on first use, a drafter catching up on a newcomer's prompt) counts
         as at most SPIKE times the average: one slow step never lets a whole prompt in."""
+        self.rounds_beside = 0
         if seconds > 0:
             if self.step_s is not None:
                 seconds = min(seconds, SPIKE * self.step_s)
             self.step_s = _smooth(self.step_s, seconds)
+
+
+    def stepped_beside(self) -> None:
+        """A decode round ran beside a chunk (its time is not a plain step's)."""
+        self.rounds_beside += 1
 
 
 def _first(item: tuple) -> float:

@@ -41,6 +41,8 @@ class Rounds:
                     self._fail(req, exc)
                     continue
             joining.append(req)
+        if joining and ready and self.overlap and self.pacer.plain_due():
+            joining = []  # this round's step runs alone, timed (PrefillPacer.REFRESH)
         if joining:  # the new requests' prompts in one batch; one by one if that fails
             # while others decode, a bounded chunk per round (chunked prefill); alone, all of it
             # the chunk's context: the keys the oldest prompt under way has in (first come)
@@ -108,7 +110,9 @@ class Rounds:
                 self._run_round([req], live, fingerprint)
             return
         self._prefill_done(chunk, pacing, joining)
-        if not overlap:  # a step beside a chunk is no plain step: neither model counts it
+        if overlap:  # a step beside a chunk is no plain step: neither model counts it
+            self.pacer.stepped_beside()
+        else:
             self.pacer.stepped(step_s)
         made = sum(len(n) for n in news if isinstance(n, list))
         self._log_round(chunk, step_s, made, len(ready))

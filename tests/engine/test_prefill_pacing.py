@@ -3,7 +3,7 @@ measured decode steps and prefill speed, within the token cap; an idle engine pr
 
 import pytest
 
-from ddserve.engine.prefill_pacing import FIRST_TOKENS, MIN_TOKENS, PrefillPacer
+from ddserve.engine.prefill_pacing import FIRST_TOKENS, MIN_TOKENS, REFRESH, PrefillPacer
 
 
 def test_an_idle_engine_prefills_whole_and_the_cap_holds_before_any_measurement():
@@ -178,3 +178,22 @@ def test_one_slow_step_does_not_let_a_whole_prompt_in():
     for _ in range(20):
         p.stepped(0.02)  # the batch grew: steps are 10x longer from now on
     assert p.step_s == pytest.approx(0.02, rel=0.01)
+
+
+def test_steps_beside_chunks_make_room_for_a_plain_step_now_and_then():
+    """Beside a chunk a step is not timed as a plain one: until one was, and after REFRESH
+    rounds in a row beside chunks, the pacer asks for a round without a chunk; its step
+    brings the step time up to date (here: the batch grew, steps now take 5x as long)."""
+    p = PrefillPacer(-1, 2.0)
+    assert p.plain_due()  # no step timed yet
+    p.stepped(0.002)
+    p.prefilled(512, 0.004)
+    before = p.budget(decoding=True)
+    for i in range(REFRESH):
+        assert not p.plain_due(), i
+        p.stepped_beside()
+    assert p.plain_due()
+    for _ in range(8):
+        p.stepped(0.01)
+        assert not p.plain_due()
+    assert p.budget(decoding=True) > before

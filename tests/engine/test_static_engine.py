@@ -12,7 +12,7 @@ import torch
 from ddserve.config.engine import EngineConfig, LiveParams
 from ddserve.engine.dflash import DFlashDrafter
 from ddserve.engine.drafters import NGramDrafter, NoDrafter
-from ddserve.engine.prefill_pacing import MIN_TOKENS
+from ddserve.engine.prefill_pacing import MIN_TOKENS, REFRESH
 from ddserve.engine.runner import EngineRunner
 from ddserve.engine.sampling import SamplingParams
 from ddserve.engine.static_engine import StaticEngine
@@ -619,6 +619,14 @@ def test_long_prompt_is_admitted_between_running_rounds(chunk, steps, overlap, d
     )
     runner = EngineRunner(cfg)
     runner.start()
+    beside = []  # rounds in a row stepped beside a chunk, after each such round
+    stepped_beside = runner.pacer.stepped_beside
+
+    def count():
+        stepped_beside()
+        beside.append(runner.pacer.rounds_beside)
+
+    runner.pacer.stepped_beside = count
     n_long = 1900 if steps else 300
     long_prompt = torch.randint(3, 500, (n_long,), generator=torch.Generator().manual_seed(2))
     long_prompt = long_prompt.tolist()
@@ -650,6 +658,8 @@ def test_long_prompt_is_admitted_between_running_rounds(chunk, steps, overlap, d
             assert runner.load_gauges()["prefill_chunk_tokens"] >= MIN_TOKENS
         else:
             assert during <= 3, during
+        if overlap == "on" and chunk == 16:  # 19 chunks: a plain step (timed) after 16
+            assert len(beside) > REFRESH and max(beside) == REFRESH, beside
         assert short == asyncio.run(asyncio.wait_for(_collect(runner, [1, 5, 9], 80), 60))
         assert long == asyncio.run(asyncio.wait_for(_collect(runner, long_prompt, 4), 60))
     finally:
