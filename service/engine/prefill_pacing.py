@@ -210,7 +210,6 @@ class PrefillPacer:
                 seconds = min(seconds, SPIKE * self.step_s)
             self.step_s = _smooth(self.step_s, seconds)
 
-
     def stepped_beside(self) -> None:
         """A decode round ran beside a chunk (its time is not a plain step's)."""
         self.rounds_beside += 1
