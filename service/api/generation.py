@@ -150,15 +150,18 @@ class TextStream:
         return out
 
 
-def check_prompt(prompt: list[int], max_tokens: int | None, max_context: int) -> int:
-    """Validate lengths against the context; return the effective max_tokens."""
+def check_prompt(
+    prompt: list[int], max_tokens: int | None, max_context: int, param: str = "messages"
+) -> int:
+    """Validate lengths against the context; return the effective max_tokens. `param`
+    names the prompt's field in the request (messages, prompt, text, input_ids)."""
     if not prompt:
         raise InvalidRequest("the prompt is empty", param="prompt")
     room = max_context - len(prompt)
     if room <= 0:
         raise ContextLengthExceeded(
             f"the prompt has {len(prompt)} tokens; this model's maximum context length is {max_context} tokens",
-            param="messages",
+            param=param,
         )
     if max_tokens is None:
         return room
@@ -184,14 +187,16 @@ def resolve_sampling(
     seed=None,
     logprobs=None,
     logit_bias=(),
+    prompt_param="messages",
 ) -> SamplingParams:
-    """Per-request values over the backend's live defaults; validates the lengths."""
+    """Per-request values over the backend's live defaults; validates the lengths (a prompt
+    too long is named as the request's `prompt_param`)."""
     live = backend.params
     return SamplingParams(
         temperature=live.temperature if temperature is None else temperature,
         top_p=live.top_p if top_p is None else top_p,
         top_k=live.top_k if top_k is None or top_k < 0 else top_k,
-        max_tokens=check_prompt(prompt, max_tokens, backend.max_context),
+        max_tokens=check_prompt(prompt, max_tokens, backend.max_context, prompt_param),
         stop=tuple(stop),
         stop_token_ids=tuple(stop_token_ids or ()),
         ignore_eos=ignore_eos,

@@ -59,6 +59,9 @@ def http_error(request: Request, exc: HTTPException) -> JSONResponse:
     return error_response(err, headers=exc.headers)
 
 
+SHOWN_CHARS = 80  # of a refused value, in its error message
+
+
 def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     err = exc.errors()[0]
     loc = [str(p) for p in err.get("loc", ()) if p != "body"]
@@ -69,5 +72,8 @@ def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
         return "the request body must be a JSON object (Content-Type: application/json)", None
     msg = err.get("msg", "invalid value").removeprefix("Value error, ")
     if param and "input" in err and not isinstance(err["input"], dict | list):
-        return f"{param}={err['input']!r}: {msg}", param
+        shown = repr(err["input"])  # a long text is shown by its start
+        if len(shown) > SHOWN_CHARS:
+            shown = shown[: SHOWN_CHARS - 3] + "..."
+        return f"{param}={shown}: {msg}", param
     return (f"{param}: {msg}" if param else msg), param

@@ -43,6 +43,7 @@ def register(app: FastAPI, s: Served) -> None:
             stop_token_ids=p.stop_token_ids,
             ignore_eos=p.ignore_eos,
             seed=p.seed,
+            prompt_param="text" if req.text is not None else "input_ids",
         )
         t0 = time.perf_counter()
 

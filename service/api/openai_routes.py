@@ -41,7 +41,7 @@ def register(app: FastAPI, s: Served) -> None:
         s.check_model(req.model)
         messages = [{"role": m.role, "content": m.text} for m in req.messages]
         chars = sum(len(m["content"]) for m in messages)
-        s.check_text(chars, "messages")
+        s.check_text(chars, "messages", messages=len(messages))
         # the template's work grows with the messages too, not only with their text
         work = chars + PER_MESSAGE_CHARS * len(messages)
         prompt = await off_loop_if_long(work, render_chat, s.backend.tokenizer, messages)
@@ -132,7 +132,7 @@ def register(app: FastAPI, s: Served) -> None:
         # text to encode, and token ids to decode when they are echoed (a token ~ 4 chars)
         work = sum(len(t) if isinstance(t, str) else 4 * len(t) * req.echo for t in texts)
         prompts, echoes = await off_loop_if_long(work, tokenize)
-        sps = [s.openai_sampling(req, p) for p in prompts]
+        sps = [s.openai_sampling(req, p, "prompt") for p in prompts]
         rid = fmt.new_id("cmpl")
         extra = len(prompts) - 1  # `admit` counted the first
         s.admission.enter(extra)

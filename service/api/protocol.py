@@ -18,6 +18,12 @@ TEMPERATURE = (
     "below the floor logits / T overflows float32, so such values are refused."
 )
 SEED = f"Seed of the request's sampler, in [{MIN_SEED}, {MAX_SEED}]; none: a fresh one."
+# the largest integer a count or token id may take (what the engine's wire, msgpack, and its
+# int32/int64 tensors carry without overflow: larger values are a client's mistake, a 400)
+MAX_INT = (1 << 31) - 1
+# stop strings of one request at most (OpenAI takes 4; vLLM and SGLang set no bound, but each is
+# matched against every chunk of text the request streams, in the API process)
+MAX_STOP = 256
 # prompts in one /v1/completions request at most: each is an engine request of its own (and
 # counts against --max-requests)
 MAX_PROMPTS = 64
@@ -28,6 +34,43 @@ STREAM_INTERVAL = (
     "tokens per chunk after the first; raises the server's --stream-interval for this "
     "request, never lowers it."
 )
+
+
+def _unicode(text: str) -> str:
+    """Text that UTF-8 can carry: JSON's \\uD800-\\uDFFF escapes decode to lone surrogates,
+    which no tokenizer encodes (and the wire to the engine refuses)."""
+    if not text.isascii():
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise ValueError(
+                f"not valid Unicode: a lone surrogate (U+{ord(text[exc.start]):04X}) at "
+                f"character {exc.start}"
+            ) from None
+    return text
+
+
+def _token_ids(ids: list[int]) -> list[int]:
+    """Token ids that fit the wire (ids past the model's vocabulary are refused by the
+    engine, which knows its size)."""
+    for t in ids:
+        if not 0 <= t <= MAX_INT:
+            raise ValueError(f"token ids are integers in [0, {MAX_INT}]; {t} is not one")
+    return ids
+
+
+def _check_stop(v: str | list[str] | None) -> str | list[str] | None:
+    stops = [v] if isinstance(v, str) else v or []
+    if len(stops) > MAX_STOP:
+        raise ValueError(f"{len(stops)} stop strings; at most {MAX_STOP} are accepted")
+    for text in stops:
+        _unicode(text)
+    return v
+
+
+def _null_is_default(cls, v, info):
+    """An explicit null takes the field's default, as OpenAI's API does for n, stream, echo."""
+    return cls.model_fields[info.field_name].default if v is None else v
 
 
 def _an_integer(v):
@@ -101,8 +144,10 @@ class Sampling(_Body):
     )
     temperature: float | None = Field(None, ge=0.0, le=MAX_TEMPERATURE, description=TEMPERATURE)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=0, description="Extension: top-k filter; 0 = off.")
-    stop: str | list[str] | None = None
+    top_k: int | None = Field(
+        None, ge=0, le=MAX_INT, description="Extension: top-k filter; 0 = off."
+    )
+    stop: str | list[str] | None = Field(None, description=f"At most {MAX_STOP} strings.")
     seed: int | None = Field(None, ge=MIN_SEED, le=MAX_SEED, description=SEED)
     n: int = Field(1, ge=1, le=1, description="Only one choice per request is supported.")
     ignore_eos: bool = Field(False, description="Extension: keep generating past EOS.")
@@ -129,6 +174,17 @@ class Sampling(_Body):
     _stream_interval = field_validator("stream_interval", mode="before")(_an_integer)
     _refused = field_validator(*REFUSED)(_refuse_unsupported)
     _logit_bias = field_validator("logit_bias")(_check_logit_bias)
+    _stop = field_validator("stop")(_check_stop)
+    _null = field_validator("n", "stream", "ignore_eos", mode="before")(
+        classmethod(_null_is_default)
+    )
+
+    @field_validator("stream_options")
+    @classmethod
+    def _stream_options(cls, v, info):
+        if v is not None and not info.data.get("stream"):
+            raise ValueError("only allowed with stream=true")
+        return v
 
     @property
     def bias_pairs(self) -> tuple[tuple[int, float], ...]:
@@ -153,10 +209,17 @@ class ContentPart(_Body):
     type: Literal["text"]
     text: str
 
+    _text = field_validator("text")(_unicode)
+
 
 class Message(_Body):
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[ContentPart] | None = None
+
+    @field_validator("content")
+    @classmethod
+    def _content(cls, v):
+        return _unicode(v) if isinstance(v, str) else v
 
     @property
     def text(self) -> str:
@@ -218,6 +281,8 @@ class CompletionRequest(Sampling):
     )
     top_logprobs: int | None = Field(None, description="Chat only: use logprobs=N here.")
 
+    _null_echo = field_validator("echo", mode="before")(classmethod(_null_is_default))
+
     @field_validator("logprobs", mode="before")
     @classmethod
     def _logprobs(cls, v, info):
@@ -251,7 +316,11 @@ class CompletionRequest(Sampling):
         listed = isinstance(v, list) and (
             all(isinstance(x, str) for x in v) or all(ids(x) for x in v)
         )
-        if isinstance(v, str) or ids(v) or listed:
+        if isinstance(v, str):
+            return _unicode(v)
+        if ids(v) or listed:
+            for x in [v] if ids(v) else v:
+                _unicode(x) if isinstance(x, str) else _token_ids(x)
             return v
         raise ValueError(
             "must be a string, a list of strings, a list of token ids or a list of token-id lists"
@@ -279,15 +348,17 @@ class NativeSampling(_Body):
     max_new_tokens: int | None = Field(None, gt=0)
     temperature: float | None = Field(None, ge=0.0, le=MAX_TEMPERATURE, description=TEMPERATURE)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=-1)
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    top_k: int | None = Field(None, ge=-1, le=MAX_INT)
+    stop: str | list[str] | None = Field(None, description=f"At most {MAX_STOP} strings.")
+    stop_token_ids: list[int] | None = Field(None, max_length=MAX_STOP)
     ignore_eos: bool = False
     seed: int | None = Field(None, ge=MIN_SEED, le=MAX_SEED, description=SEED)
     stream_interval: int | None = Field(None, ge=1, le=1024, description=STREAM_INTERVAL)
 
     _temperature = field_validator("temperature")(_temperature_floor)
     _stream_interval = field_validator("stream_interval", mode="before")(_an_integer)
+    _stop = field_validator("stop")(_check_stop)
+    _stop_ids = field_validator("stop_token_ids")(lambda v: v if v is None else _token_ids(v))
 
     @model_validator(mode="after")
     def _refused(self) -> NativeSampling:
@@ -329,6 +400,10 @@ class GenerateRequest(_Body):
     sampling_params: NativeSampling = Field(default_factory=NativeSampling)
     stream: bool = False
 
+    _text = field_validator("text")(lambda v: v if v is None else _unicode(v))
+    _ids = field_validator("input_ids")(lambda v: v if v is None else _token_ids(v))
+    _null = field_validator("stream", mode="before")(classmethod(_null_is_default))
+
     @model_validator(mode="after")
     def _one_input(self) -> GenerateRequest:
         if (self.text is None) == (self.input_ids is None):
@@ -341,9 +416,15 @@ class AdminParams(BaseModel):
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
-    budget: int | None = Field(None, description="Draft tree nodes verified per round.")
-    topk: int | None = Field(None, description="Candidates per depth.")
-    window: int | None = Field(None, description="Recent tokens the drafter attends to.")
+    budget: int | None = Field(
+        None, ge=-MAX_INT, le=MAX_INT, description="Draft tree nodes verified per round."
+    )
+    topk: int | None = Field(None, ge=-MAX_INT, le=MAX_INT, description="Candidates per depth.")
+    window: int | None = Field(
+        None, ge=-MAX_INT, le=MAX_INT, description="Recent tokens the drafter attends to."
+    )
     temperature: float | None = Field(None, description="Default sampling temperature.")
     top_p: float | None = Field(None, description="Default nucleus mass.")
-    top_k: int | None = Field(None, description="Default top-k filter; 0 = off.")
+    top_k: int | None = Field(
+        None, ge=-MAX_INT, le=MAX_INT, description="Default top-k filter; 0 = off."
+    )

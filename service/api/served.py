@@ -91,9 +91,17 @@ class Served:
         finally:
             self.admission.leave()
 
-    def check_text(self, chars: int, param: str) -> None:
+    def check_text(self, chars: int, param: str, messages: int = 0) -> None:
         """Refuse a text that surely has more tokens than the context before tokenising it:
-        tokenisation work stays bounded by the context, not by the body size."""
+        tokenisation work stays bounded by the context, not by the body size. A chat's
+        template marks every message with a token at least, so more `messages` than the
+        context has tokens are refused too, whatever their text."""
+        if messages > self.backend.max_context:
+            raise ContextLengthExceeded(
+                f"the conversation has {messages} messages, so at least as many tokens; this "
+                f"model's maximum context length is {self.backend.max_context} tokens",
+                param=param,
+            )
         if self.longest_token and chars > self.backend.max_context * self.longest_token:
             raise ContextLengthExceeded(
                 f"the prompt has {chars} characters, so at least {chars // self.longest_token} tokens "
@@ -109,10 +117,11 @@ class Served:
                 param="model",
             )
 
-    def openai_sampling(self, req: Sampling, prompt: list[int]):
+    def openai_sampling(self, req: Sampling, prompt: list[int], param: str = "messages"):
         return resolve_sampling(
             self.backend,
             prompt,
+            prompt_param=param,
             max_tokens=req.max_tokens,
             temperature=req.temperature,
             top_p=req.top_p,

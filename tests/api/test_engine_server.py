@@ -144,10 +144,43 @@ def test_seeded_sampling_is_reproducible(client):
             400,
             "seed",
         ),
+        # past what the wire to the engine carries (it was a 500 from msgpack)
+        (
+            {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "top_k": 2**64},
+            400,
+            "top_k",
+        ),
+        # a lone surrogate (JSON's \ud800): no tokenizer encodes it (it was a 500)
+        (
+            {"model": MODEL, "messages": [{"role": "user", "content": "x \ud800"}]},
+            400,
+            "messages.0.content",
+        ),
+        (
+            {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "stop": ["\udfff"]},
+            400,
+            "stop",
+        ),
+        (
+            {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "stop": ["a"] * 257},
+            400,
+            "stop",
+        ),
+        # more messages than the context has tokens, whatever their text (none: the template
+        # rendered them all before the check, ~1M tokens for 250k empty messages)
+        ({"model": MODEL, "messages": [{"role": "user", "content": ""}] * 1025}, 400, "messages"),
+        (
+            {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "stream_options": {}},
+            400,
+            "stream_options",
+        ),
     ],
 )
 def test_bad_requests_get_openai_errors(engine_server, body, status, param):
-    r = httpx.post(engine_server.url + "/v1/chat/completions", json=body)
+    # json.dumps escapes a lone surrogate as JSON's \ud800 (httpx's json= would not encode it)
+    r = httpx.post(
+        engine_server.url + "/v1/chat/completions", content=json.dumps(body), headers=JSON
+    )
     assert r.status_code == status, r.text
     err = r.json()["error"]
     assert err["message"] and err["type"] and err["param"] == param
@@ -267,6 +300,48 @@ def test_every_error_is_an_openai_body(engine_server):
         json={"model": MODEL, "messages": [{"role": "user", "content": "x"}], "seed": 2**64 - 1},
     )
     assert seeded.status_code == 200  # the largest seed the generator takes
+    nulls = {"n": None, "stream": None, "ignore_eos": None, "max_tokens": 2}
+    r = httpx.post(
+        url + "/v1/chat/completions",
+        json={"model": MODEL, "messages": [{"role": "user", "content": "x"}], **nulls},
+    )
+    assert r.status_code == 200, r.text  # null = the default, as OpenAI's API takes it
+
+
+@pytest.mark.parametrize(
+    "route,body,param",
+    [
+        ("/v1/completions", {"model": MODEL, "prompt": [2**64]}, "prompt"),
+        ("/v1/completions", {"model": MODEL, "prompt": [[1], [-(2**64)]]}, "prompt"),
+        ("/v1/completions", {"model": MODEL, "prompt": ["ok", "\udc80"]}, "prompt"),
+        ("/v1/completions", {"model": MODEL, "prompt": [5] * 1100}, "prompt"),
+        ("/generate", {"input_ids": [2**64]}, "input_ids"),
+        ("/generate", {"text": "\ud800"}, "text"),
+        ("/generate", {"input_ids": [5] * 1100}, "input_ids"),
+        (
+            "/generate",
+            {"text": "a", "sampling_params": {"stop_token_ids": [2**64]}},
+            "sampling_params.stop_token_ids",
+        ),
+        ("/generate", {"text": "a", "sampling_params": {"top_k": 2**64}}, "sampling_params.top_k"),
+        ("/admin/params", {"top_k": 2**64}, "top_k"),
+    ],
+)
+def test_values_past_the_wire_or_the_context_are_a_400_and_the_connection_stays(
+    engine_server, route, body, param
+):
+    """Integers past 64 bits and lone surrogates were a 500 (from the wire to the engine, or
+    the tokenizer), and uvicorn then closed the kept-alive connection: the client's next
+    request on it failed. Now a 400 naming the field, and the same connection serves on."""
+    with httpx.Client(base_url=engine_server.url, headers=ADMIN) as c:
+        r = c.post(route, content=json.dumps(body), headers=JSON)
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["param"] == param
+        assert len(r.json()["error"]["message"]) < 400  # a long value is shown by its start
+        ok = c.post(
+            "/generate", json={"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 2}}
+        )
+        assert ok.status_code == 200, ok.text
 
 
 def test_a_huge_prompt_never_stalls_other_clients(engine_server):
