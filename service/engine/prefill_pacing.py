@@ -39,7 +39,9 @@ prompts joining at once, those that fit go in whole, first come first, and the o
 one takes the rest (StaticEngine.allot). Within `--chunked-prefill-size`, at least MIN_TOKENS
 (short prompts are never split: where even that many tokens take longer than `steps` decode
 steps, as on a CPU, rounds that admit a long prompt take longer than the target);
-FIRST_TOKENS before any chunk is measured. An idle engine prefills whole.
+FIRST_TOKENS before any chunk is measured. An idle engine prefills whole, unless its prefills
+so far say that takes over IDLE_WHOLE_S: then `--chunked-prefill-size` tokens a round, so a
+request that arrives meanwhile waits for one chunk, not the whole prompt.
 """
 
 from __future__ import annotations
@@ -68,6 +70,15 @@ SPREAD = 256  # keys: contexts this far apart (standard deviation) give a class 
 # by the last plain step's time, taken at another batch size and context. That round costs
 # the prompts one plain step's wait, once in REFRESH + 1 rounds.
 REFRESH = 16
+# an idle engine prefills the prompts waiting whole (on an H200 a 7,200-token prompt is one
+# ~13 ms forward) unless the fastest of its last IDLE_SAMPLES prefills' rates (seconds a prompt
+# token, of forwards of MIN_TOKENS or more, the step not beside them) says that takes longer
+# than this; then --chunked-prefill-size tokens a round, as vLLM's and SGLang's cap every
+# round: on a 2-core CPU (~7 ms a token) an 8,000-token prompt was one ~54 s forward, and a
+# request arriving meanwhile waited all of it. The fastest of several: a first-use spike (a
+# graph captured, a kernel compiled) does not cap a fast device's prompts.
+IDLE_WHOLE_S = 0.5
+IDLE_SAMPLES = 8
 
 
 class _Size:
@@ -119,17 +130,26 @@ class PrefillPacer:
         # chunk's time, not the step's plus it, so a chunk may take 1 + `steps` steps
         self.beside = False
         self.rounds_beside = 0  # rounds in a row whose step ran beside a chunk
+        self.token_rates: list[float] = []  # seconds a prompt token, the last IDLE_SAMPLES
+
+    def timed(self, tokens: int, seconds: float) -> None:
+        """A prefill of `tokens` prompt tokens took `seconds` of wall time, nothing beside it
+        (idle, or a serial chunk): its rate, for an idle engine's whole-or-chunk choice."""
+        if tokens >= MIN_TOKENS and seconds > 0:
+            self.token_rates = [*self.token_rates[1 - IDLE_SAMPLES :], seconds / tokens]
 
     def plain_due(self) -> bool:
         """Whether the next round should step alone (no chunk beside it) to time a plain
         step: none timed yet, or REFRESH rounds in a row ran their step beside a chunk."""
         return self.step_s is None or self.rounds_beside >= REFRESH
 
-    def budget(self, decoding: bool, context: int = 0) -> int | None:
+    def budget(self, decoding: bool, context: int = 0, waiting: int = 0) -> int | None:
         """Prompt tokens the next round may prefill, its chunk after `context` keys of its
-        prompt; None = all of them."""
+        prompt, `waiting` tokens of prompts to go in all; None = all of them."""
         if not decoding:
-            return None
+            if self.max_tokens is None or waiting <= self.max_tokens or not self.token_rates:
+                return None
+            return None if waiting * min(self.token_rates) <= IDLE_WHOLE_S else self.max_tokens
         self.context = context
         if self.steps <= 0 or self.step_s is None:
             return self.max_tokens

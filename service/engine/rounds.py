@@ -47,7 +47,8 @@ class Rounds:
             # while others decode, a bounded chunk per round (chunked prefill); alone, all of it
             # the chunk's context: the keys the oldest prompt under way has in (first come)
             context = max(r.seq.cache.length for r in joining)
-            budget = self.pacer.budget(decoding=bool(ready), context=context)
+            waiting = sum(len(r.seq.tokens) - 1 - r.seq.cache.length for r in joining)
+            budget = self.pacer.budget(decoding=bool(ready), context=context, waiting=waiting)
             t0 = time.perf_counter()
             paced = bool(ready) and budget is not None
             # beside the running requests' step (its own stream), which then comes first
@@ -66,6 +67,8 @@ class Rounds:
                     except Exception as exc:
                         self._fail(req, exc)
                 chunk = [spent, time.perf_counter() - t0]
+            if not overlap:  # wall time of work alone: whole-or-chunk when idle
+                self.pacer.timed(*chunk)
             if paced:  # the pacer counts chunks that ended no prompt (a padded tail)
                 ended = any(not r.failed and self.engine.prefilled(r.seq) for r in joining)
                 pacing = (budget, ended, context)

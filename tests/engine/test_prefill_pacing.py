@@ -3,7 +3,13 @@ measured decode steps and prefill speed, within the token cap; an idle engine pr
 
 import pytest
 
-from ddserve.engine.prefill_pacing import FIRST_TOKENS, MIN_TOKENS, REFRESH, PrefillPacer
+from ddserve.engine.prefill_pacing import (
+    FIRST_TOKENS,
+    IDLE_SAMPLES,
+    MIN_TOKENS,
+    REFRESH,
+    PrefillPacer,
+)
 
 
 def test_an_idle_engine_prefills_whole_and_the_cap_holds_before_any_measurement():
@@ -13,6 +19,29 @@ def test_an_idle_engine_prefills_whole_and_the_cap_holds_before_any_measurement(
     p.stepped(0.002)
     assert p.budget(decoding=True) == FIRST_TOKENS  # no chunk measured yet
     assert PrefillPacer(-1, 2.0).budget(decoding=True) is None  # no cap, nothing measured
+
+
+def test_an_idle_engine_chunks_a_prompt_its_prefills_say_would_take_long():
+    """Idle, a prompt goes in whole unless the engine's own prefill rate says that takes over
+    IDLE_WHOLE_S: then the token cap a round, so a request arriving meanwhile waits one chunk
+    (a 2-core CPU took ~54 s for 8,000 tokens in one forward). A first-use spike does not
+    cap a fast device: the fastest of the last IDLE_SAMPLES rates decides."""
+    p = PrefillPacer(2048, 1.5)
+    assert p.budget(decoding=False, waiting=8000) is None  # nothing timed yet
+    p.timed(100, 1.0)  # too short to count
+    assert p.budget(decoding=False, waiting=8000) is None
+    p.timed(2048, 13.7)  # a CPU: ~6.7 ms a token
+    assert p.budget(decoding=False, waiting=8000) == 2048
+    assert p.budget(decoding=False, waiting=2048) is None  # within the cap: whole anyway
+    assert PrefillPacer(-1, 1.5).budget(decoding=False, waiting=8000) is None  # no cap
+    gpu = PrefillPacer(2048, 1.5)
+    gpu.timed(7200, 0.013)  # an H200: one forward
+    gpu.timed(1024, 3.0)  # a graph captured on first use
+    assert gpu.budget(decoding=False, waiting=7200) is None
+    assert gpu.budget(decoding=False, waiting=10**6) == 2048  # ~1.8 s whole: chunked
+    for _ in range(IDLE_SAMPLES):  # the device got slow for good: the cap again
+        gpu.timed(1024, 3.0)
+    assert gpu.budget(decoding=False, waiting=7200) == 2048
 
 
 def test_the_chunk_takes_about_steps_decode_steps():

@@ -666,6 +666,51 @@ def test_long_prompt_is_admitted_between_running_rounds(chunk, steps, overlap, d
         runner.shutdown()
 
 
+def test_an_idle_engine_whose_prefills_are_slow_takes_a_long_prompt_in_chunks(monkeypatch):
+    """Idle, a long prompt goes in whole while the engine's prefills are fast; once its own
+    timed prefills say a prompt that long takes over IDLE_WHOLE_S (here made tiny: a CPU's
+    ~7 ms a token), it goes in `--chunked-prefill-size` tokens a round, so a short request
+    arriving meanwhile is answered after one chunk; every answer as alone."""
+    import ddserve.engine.prefill_pacing as pacing
+
+    cfg = EngineConfig(
+        model="tiny-random",
+        device="cpu",
+        dtype="float32",
+        max_batch=2,
+        chunked_prefill_size=256,
+        drafter={"kind": "none"},
+        params={"budget": 0},
+    )
+    runner = EngineRunner(cfg)
+    runner.start()
+    chunks = []  # prompt tokens each prefill call put in
+    prefill = runner.engine.prefill_batch
+
+    def counted(seqs, budget=None, overlap=False):
+        before = sum(s.cache.length for s in seqs)
+        out = prefill(seqs, budget, overlap=overlap)
+        chunks.append(sum(s.cache.length for s in seqs) - before)
+        return out
+
+    runner.engine.prefill_batch = counted
+    gen = torch.Generator().manual_seed(4)
+    first, second = (torch.randint(3, 500, (900,), generator=gen).tolist() for _ in range(2))
+    try:
+        alone = asyncio.run(asyncio.wait_for(_collect(runner, first, 2), 60))
+        assert max(chunks) >= 899, chunks  # whole: nothing timed said it is slow
+        assert runner.pacer.token_rates
+        monkeypatch.setattr(pacing, "IDLE_WHOLE_S", 1e-9)
+        chunks.clear()
+        assert asyncio.run(asyncio.wait_for(_collect(runner, second, 2), 60)) == asyncio.run(
+            asyncio.wait_for(_collect(runner, second, 2), 60)
+        )
+        assert len(chunks) >= 4 and max(chunks) <= 256, chunks
+        assert asyncio.run(asyncio.wait_for(_collect(runner, first, 2), 60)) == alone
+    finally:
+        runner.shutdown()
+
+
 async def _collect(runner, prompt, n):
     out = []
     async for step in runner.generate(prompt, SamplingParams(max_tokens=n, ignore_eos=True)):
