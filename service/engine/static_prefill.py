@@ -35,6 +35,8 @@ PREFILL_CHUNKS = (16, 64, 256)  # prompt chunk widths, sdpa (it reads a padded k
 # or more in one forward (the pacer measures such rounds)
 PREFILL_CHUNKS_LONG = (16, 64, 256, 512, 1024, 2048)
 PREFILL_ROWS = 8  # prompts prefilled together in one forward
+# a prompt this short (a chat turn) may go in ahead of an older long one being chunked (allot)
+SHORT_TOKENS = 256
 # a prompt's first chunk under CUDA graphs (its rows all start at an empty context: attention
 # over the chunk's own keys by torch's fused kernels, attention.FRESH): widths up to the
 # pool's, so a prompt of up to 8,192 tokens to an idle engine is one forward (on the H200 a
@@ -167,23 +169,32 @@ class Prefill:
         takes what is left (at least the narrowest chunk when nothing older took any) and
         younger ones wait for it. Sharing the budget among long prompts made every one of
         them finish last: 16 prompts of 2,900 tokens joining a running batch on the H200 got
-        their first tokens after 8.8 s at the median. At most the budget goes in, or the
-        narrowest chunk where the budget is smaller."""
+        their first tokens after 8.8 s at the median. But younger short prompts (at most
+        SHORT_TOKENS: a chat turn) go ahead of it within half the budget, as vLLM's
+        `long_prefill_token_threshold` lets them: a chat turn arriving behind an 8,000-token
+        document waited for all of it (20 s on a 2-core CPU), and the long prompt still
+        moves by half the budget at least. At most the budget goes in, or the narrowest chunk
+        where the budget is smaller."""
         rests = [(seq, len(seq.tokens) - 1 - seq.cache.length) for seq in seqs]
         if max_tokens is None:
             return {id(seq): float("inf") for seq, rest in rests if rest > 0}
         if max_tokens <= 0:
             return {}
         narrow = self.chunks[0]
-        quotas, left = {}, max_tokens
+        quotas, left, long, ahead = {}, max_tokens, None, max_tokens // 2
         for seq, rest in rests:
-            if 0 < rest <= left:
+            if rest <= 0:
+                continue
+            if long is None and rest <= left:
                 quotas[id(seq)] = rest
                 left -= rest
-            elif rest > max_tokens:  # the oldest long prompt: what is left, then no more
-                if left >= narrow or not quotas:
-                    quotas[id(seq)] = max(left, narrow)
-                break
+            elif long is None and rest > max_tokens:  # the oldest long prompt
+                long = seq
+            elif long is not None and rest <= min(SHORT_TOKENS, ahead, left - narrow):
+                quotas[id(seq)] = rest  # a younger chat turn, ahead of it
+                left, ahead = left - rest, ahead - rest
+        if long is not None and (left >= narrow or not quotas):
+            quotas[id(long)] = max(left, narrow)
         return quotas
 
     def _prefill_rows(self, seqs: list[Sequence], quotas: dict[int, float], main=None) -> int:

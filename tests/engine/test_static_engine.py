@@ -402,28 +402,37 @@ def test_a_budget_admits_short_prompts_whole_and_first_come_first(tiny, shapes):
     want = 64 if shapes == "captured" else 100  # the widest chunk within it, or exactly 100
     long = eng.new_sequence(torch.randint(3, 500, (301,), generator=gen).tolist(), SamplingParams())
     shorts = [eng.new_sequence(p, SamplingParams(max_tokens=2)) for p in burst[:2]]
-    # a long prompt ahead of short ones takes the whole budget; they wait for it
-    assert eng.prefill_batch([long, *shorts], max_tokens=100) == want == long.cache.length
-    assert [s.cache.length for s in shorts] == [0, 0]
-    # short ones ahead of it go in whole and it takes what they leave (20: a 16-wide chunk)
+    # short ones ahead of a long prompt go in whole and it takes what they leave (20: a
+    # 16-wide chunk)
     spent = eng.prefill_batch([*shorts, long], max_tokens=100)
     assert all(eng.prefilled(s) for s in shorts)
-    assert spent - 80 == long.cache.length - want == (16 if shapes == "captured" else 20)
+    assert spent - 80 == long.cache.length == (16 if shapes == "captured" else 20)
     for s in [long, *shorts]:
         eng.release(s)
-    # younger short prompts arriving all the time never hold a long one back
+    # younger short prompts (chat turns) go ahead of an older long one within half the
+    # budget (one of 40 tokens in 50), the rest wait; the long one moves every call by
+    # what is left (60: a 16-wide chunk)
     long = eng.new_sequence(torch.randint(3, 500, (301,), generator=gen).tolist(), SamplingParams())
-    moved = []
+    moved, rest = [], 16 if shapes == "captured" else 60
     for _ in range(3):
         shorts = [eng.new_sequence(p, SamplingParams(max_tokens=2)) for p in burst[:3]]
         before = long.cache.length
         assert eng.prefill_batch([long, *shorts], max_tokens=100) <= 100
         moved.append(long.cache.length - before)
-        assert not any(s.cache.length for s in shorts)
+        assert [s.cache.length for s in shorts] == [40, 0, 0]
         for s in shorts:
             eng.release(s)
-    assert moved == [want] * 3
+    assert moved == [rest] * 3
     eng.release(long)
+    # a younger prompt over SHORT_TOKENS waits for the older long one, which takes the budget
+    long = eng.new_sequence(torch.randint(3, 500, (301,), generator=gen).tolist(), SamplingParams())
+    other = eng.new_sequence(
+        torch.randint(3, 500, (270,), generator=gen).tolist(), SamplingParams()
+    )
+    assert eng.prefill_batch([long, other], max_tokens=200) == long.cache.length
+    assert other.cache.length == 0 and long.cache.length == (64 if shapes == "captured" else 200)
+    for s in (long, other):
+        eng.release(s)
     # a budget under the narrowest chunk still moves the oldest long prompt by one
     long = eng.new_sequence(torch.randint(3, 500, (301,), generator=gen).tolist(), SamplingParams())
     assert eng.prefill_batch([long], max_tokens=5) == 16
