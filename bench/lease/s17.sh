@@ -11,6 +11,7 @@
 #                             refresh), the same with DDSERVE_DECODE_PRIORITY=0, paced-serial
 #   4  (nothing)              a ~7,200-token prompt's TTFT at C=1 (paced, the default); the
 #                             admission run three times on one engine, paced and paced-serial
+# CALL=0 copies the carried parts, nothing else; SKIP_NP=1 leaves call 3's no-priority part out.
 # Results under $OUT (at most three folders deep, a few dozen files a call).
 mkdir -p /root/parts
 cp .carry/q?/* /root/parts/ 2>/dev/null
@@ -44,7 +45,7 @@ case ${CALL:?} in
     timeout 200 python3 -m pytest -q -p no:cacheprovider tests/engine/test_static_engine.py \
         -k "long_prompt_is_admitted and cuda" 2>&1 | tail -3
     lc lc16 paced
-    DDSERVE_DECODE_PRIORITY=0 lc lc16np paced
+    [ -n "${SKIP_NP:-}" ] || DDSERVE_DECODE_PRIORITY=0 lc lc16np paced
     lc lc16 paced-serial
     ;;
 4)
