@@ -320,7 +320,10 @@ class CompletionRequest(Sampling):
             return _unicode(v)
         if ids(v) or listed:
             for x in [v] if ids(v) else v:
-                _unicode(x) if isinstance(x, str) else _token_ids(x)
+                if isinstance(x, str):
+                    _unicode(x)
+                else:
+                    _token_ids(x)
             return v
         raise ValueError(
             "must be a string, a list of strings, a list of token ids or a list of token-id lists"

@@ -47,7 +47,7 @@ class Rounds:
             # while others decode, a bounded chunk per round (chunked prefill); alone, all of it
             # the chunk's context: the keys the oldest prompt under way has in (first come)
             context = max(r.seq.cache.length for r in joining)
-            waiting = sum(len(r.seq.tokens) - 1 - r.seq.cache.length for r in joining)
+            waiting = sum(self.engine.prompt_left(r.seq) for r in joining)
             budget = self.pacer.budget(decoding=bool(ready), context=context, waiting=waiting)
             t0 = time.perf_counter()
             paced = bool(ready) and budget is not None

@@ -90,9 +90,14 @@ class Prefill:
         self.prefill_batch([seq])
 
     @staticmethod
-    def prefilled(seq: Sequence) -> bool:
+    def prompt_left(seq: Sequence) -> int:
+        """Prompt tokens (all but its last) not yet in the sequence's KV slot."""
+        return len(seq.tokens) - 1 - seq.cache.length
+
+    @classmethod
+    def prefilled(cls, seq: Sequence) -> bool:
         """Whether a sequence's prompt (all but its last token) is in its KV slot."""
-        return seq.cache.length >= len(seq.tokens) - 1
+        return cls.prompt_left(seq) <= 0
 
     @torch.inference_mode()
     def prefill_batch(
@@ -175,7 +180,7 @@ class Prefill:
         document waited for all of it (20 s on a 2-core CPU), and the long prompt still
         moves by half the budget at least. At most the budget goes in, or the narrowest chunk
         where the budget is smaller."""
-        rests = [(seq, len(seq.tokens) - 1 - seq.cache.length) for seq in seqs]
+        rests = [(seq, self.prompt_left(seq)) for seq in seqs]
         if max_tokens is None:
             return {id(seq): float("inf") for seq, rest in rests if rest > 0}
         if max_tokens <= 0:
