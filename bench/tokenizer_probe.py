@@ -1,9 +1,10 @@
 """How this host tokenises a long prompt (issue 18: most of a long prompt's time before the
 engine): the tokenizers / transformers versions, whether the bundled tokenizer splits into
 parallel pieces here (ddserve.api.pieces) and into how many, and the median time of one
-~N-token synthetic prompt in pieces and whole.
+~N-token synthetic prompt in pieces and whole; with --piece-chars, the same in pieces of at
+least each of those sizes (`pieces.PIECE_CHARS`), the ids checked equal to one encode's.
 
-    python -m ddserve.bench.tokenizer_probe [--tokens 7200]
+    python -m ddserve.bench.tokenizer_probe [--tokens 7200] [--piece-chars 4096,2048,1024]
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ def main() -> None:
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, default=7200)
+    ap.add_argument("--piece-chars", default="", help="comma-separated PIECE_CHARS to try")
     a = ap.parse_args()
     tok = load_tokenizer("smollm2-135m")
     text = synthetic_set(a.tokens, 1, "smollm2-135m")[0][0]
@@ -43,6 +45,13 @@ def main() -> None:
         "pieces ms", median_ms(lambda: pieces.encode_pieces(tok, text)),
         "whole ms", median_ms(lambda: tok.encode(text, add_special_tokens=False)),
     )  # fmt: skip
+    whole = tok.encode(text, add_special_tokens=False)
+    for size in [int(x) for x in a.piece_chars.split(",") if x]:
+        pieces.PIECE_CHARS = size
+        same = pieces.encode_pieces(tok, text) in (None, whole)
+        n = len(pieces.cut_points(text, pieces.parallel(tok) or 1)) + 1
+        ms = median_ms(lambda: pieces.encode_pieces(tok, text))
+        print("piece_chars", size, "pieces", n, "ms", ms, "same ids", same)
 
 
 if __name__ == "__main__":

@@ -5,7 +5,8 @@
 #                             fifteenth session's review fixes (filler rows, lane streams, a
 #                             failed chunk's join) never ran on a GPU
 #   2  carry .carry/q2        the GGUF's second part; the GPU tree build's tests
-#   3  carry .carry/q3        the overlapped prefill's GPU tests (they need the GGUF's
+#   3  carry .carry/q3        the tokenizer's pieces by size on this host (eighteenth session);
+#                             the overlapped prefill's GPU tests (they need the GGUF's
 #                             tokenizer), then C=16 at ~30 and ~2,900 tokens with the admission
 #                             run: paced (the default, with the sixteenth session's step-time
 #                             refresh), the same with DDSERVE_DECODE_PRIORITY=0, paced-serial
@@ -42,6 +43,7 @@ case ${CALL:?} in
     grep -E "^FAILED|^ERROR" $R/gpu_tests_2.txt | head -8
     ;;
 3)
+    python3 -m ddserve.bench.tokenizer_probe --piece-chars 4096,2048,1024,512 2>&1 | grep -v Warn
     timeout 200 python3 -m pytest -q -p no:cacheprovider tests/engine/test_static_engine.py \
         -k "long_prompt_is_admitted and cuda" 2>&1 | tail -3
     lc lc16 paced

@@ -31,8 +31,10 @@ import os
 import re
 import weakref
 
-# characters per piece at least (~1,000 tokens): shorter texts gain nothing from threads
-PIECE_CHARS = 4096
+# characters per piece at least (~330-500 tokens): a 7,200-token synthetic prompt (44k
+# characters) goes to 16 threads as 16 pieces, where 4,096 made 10; shorter texts gain
+# nothing from threads (bench/tokenizer_probe.py --piece-chars)
+PIECE_CHARS = 2048
 
 # Split patterns whose pre-tokens never hold a non-whitespace character followed by a space
 # (the module docstring's argument, checked for each): Llama 3's / GPT-4's, and Qwen 2's
