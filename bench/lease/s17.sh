@@ -12,6 +12,8 @@
 #                             refresh), the same with DDSERVE_DECODE_PRIORITY=0, paced-serial
 #   4  (nothing)              a ~7,200-token prompt's TTFT at C=1 (paced, the default); the
 #                             admission run three times on one engine, paced and paced-serial
+#   5  (after 1-3's carries)  a ~7,200-token prompt's TTFT with the tokenizer's pieces of at
+#                             least 4,096 and 2,048 characters, twice each
 # CALL=0 copies the carried parts, nothing else; SKIP_NP=1 leaves call 3's no-priority part out.
 # Results under $OUT (at most three folders deep, a few dozen files a call).
 mkdir -p /root/parts
@@ -65,6 +67,13 @@ case ${CALL:?} in
                 --out $R/adm-$part-$i.json 2>&1 | grep -E "long_ttft|p99_over|Error"
         done
         kill $pid; wait $pid
+    done
+    ;;
+5)  # the tokenizer's piece size, old and new, twice each on this machine (eighteenth session)
+    for size in 4096 2048 4096 2048; do
+        sed -i "s/^PIECE_CHARS = .*/PIECE_CHARS = $size/" service/api/pieces.py
+        echo "PIECE_CHARS $size"
+        ADMIT=0 LENGTHS=7200 LEVELS=1 REQ=32 lc ttft-$size paced | grep -E "p7200|done"
     done
     ;;
 esac
