@@ -8,7 +8,8 @@
 #                        domain -> $OUT (bench/lease/train_drafter.sh)
 #   3  (nothing)         the new drafter against the builtin one, same call: C=1 tok/s and
 #                        tau on the 16 held-out prompts (greedy, bf16), the in-process runner
-#                        at C=1/2/16/64 (AR, b16k4 adaptive), fp32 greedy == AR with the new one
+#                        at C=1/2/16/64 (AR, b16k4 adaptive), fp32 greedy == AR with the new one;
+#                        first the green-context probe (python -m ddserve.bench.green_probe)
 mkdir -p /root/parts
 cp .carry/q?/* /root/parts/ 2>/dev/null
 case ${CALL:?} in
@@ -17,6 +18,8 @@ case ${CALL:?} in
 2) bash bench/lease/train_drafter.sh ;;
 3)  . bench/device_env.sh /root/parts
     D=/root/work/drafter
+    # issue 18: whether a green context keeps a decode step fast beside a prompt chunk
+    timeout 60 python3 -m ddserve.bench.green_probe --out $OUT/green_probe.json 2>&1 | tail -40
     cp service/engine/dflash_weights/smollm2-135m/draft_vocab.safetensors $D/ 2>/dev/null
     for d in builtin new; do
         dl=()
@@ -27,7 +30,7 @@ case ${CALL:?} in
     done
     DFLASH=$D TAG=new LEVELS=1,2,16,64 CONFIGS=ar,dflash-b16k4@adaptive \
         timeout 170 bash bench/speculation.sh $OUT load
-    DFLASH=$D TAG=new timeout 120 bash bench/speculation.sh $OUT lossless
+    DFLASH=$D TAG=new timeout 100 bash bench/speculation.sh $OUT lossless
     rm -f $OUT/*.png
     ;;
 esac
