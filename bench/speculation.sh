@@ -11,7 +11,7 @@
 #
 #   bench/speculation.sh OUT [tests] [load] [sampled] [lossless]
 # env: PY (python3), DEVICE (cuda), TOKENS (128), DFLASH (a drafter directory; default the builtin one), LEVELS, REQ (32), WAVES (8: requests per level >= WAVES x C),
-#      CONFIGS (the four above), TAG (prefix of the result names)
+#      CONFIGS (the four above), TAG (prefix of the result names), LOSSLESS_CONFIGS (the fp32 part's)
 set -u
 out=$1
 shift
@@ -51,7 +51,7 @@ for part in $parts; do
         dl=()
         [ -n "${DFLASH:-}" ] && dl=(--dflash "$DFLASH")
         $py -m ddserve.bench.engine_cpu --device $device --dtype float32 --prompt-set heldout:16 \
-            --max-tokens $tokens --configs ar,dflash-b16k4,dflash-b8k2,dflash-b4k1 --sampled-configs "" \
+            --max-tokens $tokens --configs ${LOSSLESS_CONFIGS:-ar,dflash-b16k4,dflash-b8k2,dflash-b4k1} --sampled-configs "" \
             "${dl[@]}" --no-server --name "$tag-fp32" --out "$out" 2>&1 | grep -v Warning | tail -8
         ;;
     *) echo "unknown part $part"; exit 2 ;;

@@ -1,0 +1,41 @@
+# Twentieth session: training run 7 (issue 14), one lease, calls back to back (the machine
+# stays warm ~30 s after a call). `CALL=N bash bench/lease/s20.sh`:
+#   0  carry .whl .carry/q1, then .carry/q2   the GGUF's parts, nothing else
+#   1  carry .carry/q3        the corpus through our engine, training prompts of a third seed
+#                             (TRAIN_SEED=2; the held-out set is run 5's and run 6's)
+#                             -> /root/work and $OUT (bench/lease/train_corpus.sh)
+#   2  carry .carry/corpus6   continue the builtin drafter (run 6) on this corpus and run 6's
+#                             (run 6's corpus-000.npz, --corpus-from), held-out agreement per
+#                             domain -> $OUT (bench/lease/train_drafter.sh)
+#   3  (nothing)              the new drafter against the builtin one, same call: C=1 tok/s and
+#                             tau on the 16 held-out prompts (greedy, bf16), T=1 AR / b16k4 with
+#                             the new one, the in-process runner at C=1/2/16/64 (AR, b16k4
+#                             adaptive) with the new one
+#   4  (nothing)              fp32 greedy == AR with the new drafter (b16k4, b8k2)
+mkdir -p /root/parts
+cp .carry/q?/* /root/parts/ 2>/dev/null
+case ${CALL:?} in
+0) ls -la /root/parts | tail -3 ;;
+1) TRAIN_SEED=${TRAIN_SEED:-2} MINUTES=${MINUTES:-6.5} bash bench/lease/train_corpus.sh ;;
+2) CORPUS_FROM=.carry/corpus6 TRAIN=${TRAIN:-7.2} bash bench/lease/train_drafter.sh ;;
+3)  . bench/device_env.sh /root/parts
+    D=/root/work/drafter
+    cp service/engine/dflash_weights/smollm2-135m/draft_vocab.safetensors $D/ 2>/dev/null
+    for d in builtin new; do
+        dl=() sc=""
+        [ $d = new ] && dl=(--dflash $D) sc=ar,dflash-b16k4
+        timeout 150 python3 -m ddserve.bench.engine_cpu --device cuda --prompt-set heldout:16 --max-tokens 128 \
+            --configs ar,dflash-b16k4,dflash-b8k2,dflash-b32k4 --sampled-configs "$sc" "${dl[@]}" --no-server \
+            --name c1-$d --out $OUT 2>&1 | grep -v Warning | tail -8
+        echo "c1-$d: ${SECONDS}s"
+    done
+    DFLASH=$D TAG=new LEVELS=1,2,16,64 CONFIGS=ar,dflash-b16k4@adaptive \
+        timeout 200 bash bench/speculation.sh $OUT load
+    rm -f $OUT/*.png
+    ;;
+4)  . bench/device_env.sh /root/parts
+    D=/root/work/drafter
+    DFLASH=$D TAG=new LOSSLESS_CONFIGS=ar,dflash-b16k4,dflash-b8k2 timeout 500 bash bench/speculation.sh $OUT lossless
+    ;;
+esac
+echo "call $CALL done at ${SECONDS}s"
