@@ -10,14 +10,14 @@
 #   3  (nothing)              the new drafter against the builtin one, same call: C=1 tok/s and
 #                             tau on the 16 held-out prompts (greedy, bf16), T=1 AR / b16k4 with
 #                             the new one, the in-process runner at C=1/2/16/64 (AR, b16k4
-#                             adaptive) with the new one
+#                             fixed and adaptive) with the new one
 #   4  (nothing)              fp32 greedy == AR with the new drafter (b16k4, b8k2)
 mkdir -p /root/parts
 cp .carry/q?/* /root/parts/ 2>/dev/null
 case ${CALL:?} in
 0) ls -la /root/parts | tail -3 ;;
-1) TRAIN_SEED=${TRAIN_SEED:-2} MINUTES=${MINUTES:-6.5} bash bench/lease/train_corpus.sh ;;
-2) CORPUS_FROM=.carry/corpus6 TRAIN=${TRAIN:-7.2} bash bench/lease/train_drafter.sh ;;
+1) TRAIN_SEED=${TRAIN_SEED:-2} MINUTES=${MINUTES:-5.5} bash bench/lease/train_corpus.sh ;;
+2) CORPUS_FROM=.carry/corpus6 TRAIN=${TRAIN:-6.5} bash bench/lease/train_drafter.sh ;;
 3)  . bench/device_env.sh /root/parts
     D=/root/work/drafter
     cp service/engine/dflash_weights/smollm2-135m/draft_vocab.safetensors $D/ 2>/dev/null
@@ -29,8 +29,8 @@ case ${CALL:?} in
             --name c1-$d --out $OUT 2>&1 | grep -v Warning | tail -8
         echo "c1-$d: ${SECONDS}s"
     done
-    DFLASH=$D TAG=new LEVELS=1,2,16,64 CONFIGS=ar,dflash-b16k4@adaptive \
-        timeout 200 bash bench/speculation.sh $OUT load
+    DFLASH=$D TAG=new LEVELS=1,2,16,64 CONFIGS=ar,dflash-b16k4,dflash-b16k4@adaptive \
+        timeout 250 bash bench/speculation.sh $OUT load
     rm -f $OUT/*.png
     ;;
 4)  . bench/device_env.sh /root/parts
