@@ -1,7 +1,8 @@
 # Twentieth session: training run 7 (issue 14), one lease, calls back to back (the machine
 # stays warm ~30 s after a call). `CALL=N bash bench/lease/s20.sh`:
-#   0  carry .whl .carry/q1, then .carry/q2   the GGUF's parts, nothing else
-#   1  carry .carry/q3        the corpus through our engine, training prompts of a third seed
+#   0  carry .whl .carry/q1, then .carry/q2b  the GGUF's parts, nothing else (.carry/q2 with
+#                             the tree passes 64 MiB: its last 10 MB went to .carry/q3b)
+#   1  carry .carry/q3b       the corpus through our engine, training prompts of a third seed
 #                             (TRAIN_SEED=2; the held-out set is run 5's and run 6's)
 #                             -> /root/work and $OUT (bench/lease/train_corpus.sh)
 #   2  carry .carry/corpus6   continue the builtin drafter (run 6) on this corpus and run 6's
@@ -13,7 +14,7 @@
 #                             fixed and adaptive) with the new one
 #   4  (nothing)              fp32 greedy == AR with the new drafter (b16k4, b8k2)
 mkdir -p /root/parts
-cp .carry/q?/* /root/parts/ 2>/dev/null
+cp .carry/q*/* /root/parts/ 2>/dev/null
 case ${CALL:?} in
 0) ls -la /root/parts | tail -3 ;;
 1) TRAIN_SEED=${TRAIN_SEED:-2} MINUTES=${MINUTES:-5.5} bash bench/lease/train_corpus.sh ;;

@@ -1,9 +1,9 @@
 # Training run 5 (issue 14), call 3 of a three-call lease (calls 1-2: `bash bench/lease/parts.sh`
-# carrying .whl + .carry/q1, then .carry/q2; this one carries .carry/q3 (the GGUF part2)): the
+# carrying .whl + .carry/q1, then .carry/q2; this one carries .carry/q3 (the GGUF part2), or .carry/q3b): the
 # drafter's corpus through our engine at scale -> /root/work (kept for the next call, which
 # must follow at once) and back in $OUT (parts of at most 15 MiB; the return takes 8 files).
 # A later run: TRAIN_SEED=1 (other training prompts, the same held-out set as run 5's).
-mkdir -p /root/parts /root/work && cp .carry/q3/SmolLM2* /root/parts/ && . bench/device_env.sh /root/parts
+mkdir -p /root/parts /root/work && cp .carry/q3*/SmolLM2* /root/parts/ && . bench/device_env.sh /root/parts
 W=/root/work
 nvidia-smi --query-gpu=name,memory.used --format=csv,noheader
 timeout 575 python3 -m ddserve.training.dflash --model smollm2-135m --device cuda --work $W \
