@@ -16,7 +16,9 @@ Stages (each writes into --work and is skipped when its output exists):
   eval    per-depth agreement with the target's greedy continuation of held-out prompts, per
           domain (chat, code, and `legacy`: the committed drafter's held-out set), the chain
           estimate, and the same on greedy training sequences (the over-fitting gap)
-          -> eval.json; tau with DDTree is the engine's to measure (ddserve.bench.engine_cpu)
+          and the tau of greedy DDTree rounds simulated on the held-out answers (b8/k2,
+          b16/k4, b32/k4: training/tree_sim.py) -> eval.json; the engine measures its own
+          (ddserve.bench.engine_cpu)
 
 Runs on CPU (tiny smoke runs) and CUDA (bf16 autocast); logs one JSON line per event.
 """
@@ -39,6 +41,7 @@ import torch.nn.functional as F
 
 from ddserve.engine.dflash import DFlashConfig, DFlashModel, block_weights, load_dflash, save_dflash
 from ddserve.engine.weights import load_model, to_hf
+from ddserve.training import tree_sim
 from ddserve.training.corpus import (
     CorpusEngine,
     heldout_set,
@@ -247,6 +250,28 @@ def agreement(args, lm, hf, draft: DFlashModel, seqs) -> tuple[list[float], int]
     return (hits / max(blocks, 1)).tolist(), int(blocks)
 
 
+@torch.inference_mode()
+def answer_tops(args, lm, hf, draft: DFlashModel, seqs, k: int) -> list[tuple]:
+    """(seq, plen, top-k log-probs, ids) per sequence at every root of its answer, for the
+    simulated rounds of training/tree_sim.py (the whole LM head: no draft vocabulary)."""
+    dev, c = lm.model.device, draft.c
+    out = []
+    for s, plen in seqs:
+        s = np.asarray(s)[:EVAL_LEN]
+        if len(s) < plen + 1:
+            continue
+        ids = torch.as_tensor(s, device=dev)[None]
+        anchors = torch.arange(plen - 1, len(s) - 1, device=dev)[None]
+        taps = target_taps(hf, ids, c.target_layers)
+        with _autocast(dev):
+            hidden, _ = block_forward(
+                draft, lm.model, ids, anchors, torch.ones_like(anchors) > 0, taps
+            )
+        lp, top = tree_sim.root_tops(hidden[0], lm.model.lm_head.weight, k)
+        out.append((s, plen, lp, top))
+    return out
+
+
 def chain(acc: list[float]) -> float:
     """Expected accepted drafts of a single chain if depth errors were independent."""
     return sum(math.prod(acc[: d + 1]) for d in range(len(acc)))
@@ -280,6 +305,16 @@ def stage_eval(args, lm, draft: DFlashModel, work: Path, corpus: Corpus | None =
         idx = held.indices(sources)
         acc, blocks = agreement(args, lm, hf, draft, [held.sequence(i) for i in idx])
         res["heldout"][name] = report(acc, len(idx), blocks)
+        tops = (
+            []
+            if name == "legacy"
+            else answer_tops(args, lm, hf, draft, [held.sequence(i) for i in idx], 4)
+        )
+        if tops:  # greedy rounds of the engine's trees over these answers (tree_sim)
+            res["heldout"][name]["tree_tau"] = {
+                f"b{b}k{k}": tree_sim.tau(tops, b, k) for b, k in tree_sim.EVAL_TREES
+            }
+            res["heldout"][name]["chain_offsets"] = tree_sim.chain_offsets(tops)
     legacy = res["heldout"]["legacy"]  # the keys of earlier eval.json files
     res.update({k: legacy[k] for k in ("agreement_by_depth", "next_token_agreement")})
     res["cumulative_agreement_chain"] = legacy["cumulative_agreement_chain"]

@@ -41,6 +41,11 @@ def test_every_stage_writes_its_output(trained):
         assert len(r["agreement_by_depth"]) == 8 and r["blocks"] > 0
         assert 0 <= r["cumulative_agreement_chain"] <= 8
     assert res["agreement_by_depth"] == legacy["agreement_by_depth"]  # the earlier keys
+    for r in (chat, code):  # simulated greedy rounds: 1 token a round at least, 9 at most
+        assert set(r["tree_tau"]) == {"b8k2", "b16k4", "b32k4"}
+        assert all(1.0 <= t <= 9.0 for t in r["tree_tau"].values())
+        assert len(r["chain_offsets"]) == 8
+    assert "tree_tau" not in legacy  # chat's and code's prompts again
     assert set(res["train_distribution"]) == set(res["gap_next_token"]) == {"chat", "code"}
 
 

@@ -1,0 +1,168 @@
+"""Offline tree acceptance (issue 14): the tau greedy DDTree rounds of a given budget / top-k
+and node scoring would reach on the target's own answers, without the engine
+(training/tree_sim.py simulates the rounds).
+
+Each held-out prompt's greedy answer (`--max-tokens`, stopping at EOS) is made once by the
+target (transformers' generate over the same weights); one target forward over prompt +
+answer and one drafter forward give every root position's per-depth top-k, through the
+engine's drafter (its draft vocabulary included).
+
+Node scorings (`--scorings`), ways to weigh a tree node:
+  product          the engine's: the sum of the path's log-probs (DDTree's)
+  bias:B1/B2/..    per-depth offsets added to the log-probs (depth 1 first; the last repeats)
+  lambda:L         a node's weight = its log-prob + L x its parent's weight (1: product)
+  temp:T           log-probs of the drafter's logits / T
+  fit              per-depth offsets measured here (tree_sim.chain_offsets: each depth's
+                   top-1 acceptance given its parent's, over its mean top-1 probability)
+
+  python -m ddserve.bench.tree_tau [--prompt-set heldout] [--max-tokens 128]
+      [--budgets 8,16,32] [--topk 2,4,8] [--scorings product,fit,lambda:0.75]
+      [--dflash DIR] [--device cpu] [--name tree_tau] [--out bench/results/tree-tau]
+
+Writes OUT/NAME.json: per scoring, budget and top-k, tau over every prompt and per domain
+(the held-out set's 8 chat prompts, then HumanEval's).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ddserve.training import tree_sim
+
+N_CHAT = 8  # heldout_prompts(): 8 chat prompts, then HumanEval's held-out problems
+
+
+def parse_scoring(spec: str):
+    """(name, kind, value) of a --scorings entry."""
+    kind, _, val = spec.partition(":")
+    try:
+        if kind in ("product", "fit") and not val:
+            return spec, kind, None
+        if kind == "bias":
+            return spec, kind, [float(x) for x in val.split("/")]
+        if kind in ("lambda", "temp"):
+            return spec, kind, float(val)
+    except ValueError:
+        pass
+    raise SystemExit(
+        f"tree_tau: unknown scoring {spec!r} (product, fit, bias:B1/B2/.., lambda:L, temp:T)"
+    )
+
+
+@torch.inference_mode()
+def answers(lm, drafter, prompts, max_tokens: int, temps: list[float], kmax: int) -> list:
+    """Per prompt (seq, plen, {temperature: (lp, ids)}): the greedy answer and the drafter's
+    top-k at each of its roots."""
+    from ddserve.engine.weights import to_hf
+    from ddserve.training.dflash import block_forward, target_taps
+
+    hf = to_hf(lm.model)
+    net, dev = drafter.net, lm.model.device
+    eos = list(lm.model.cfg.eos_token_ids) or None
+    out = []
+    for ids in prompts:
+        x = torch.tensor([ids], device=dev)
+        seq = hf.generate(
+            x, max_new_tokens=max_tokens, do_sample=False, eos_token_id=eos,
+            pad_token_id=eos[0] if eos else 0,
+        )[0]  # fmt: skip
+        t = seq[None]
+        plen = len(ids)
+        anchors = torch.arange(plen - 1, t.shape[1] - 1, device=dev)[None]
+        taps = target_taps(hf, t, net.c.target_layers)
+        hidden, _ = block_forward(net, lm.model, t, anchors, torch.ones_like(anchors) > 0, taps)
+        tops = {
+            temp: tree_sim.root_tops(hidden[0], drafter.head, kmax, drafter.vocab, temp)
+            for temp in temps
+        }
+        out.append((seq.cpu().numpy(), plen, tops))
+    return out
+
+
+def simulate(data, budget: int, k: int, kind: str, val, offsets) -> dict:
+    """tau over every answer and per domain under one scoring."""
+    temp = val if kind == "temp" else 1.0
+    lam = val if kind == "lambda" else 1.0
+    by = {"chat": [], "code": []}
+    for p, (seq, plen, tops) in enumerate(data):
+        lp, ids = tops[temp]
+        if kind in ("bias", "fit"):
+            b = list(offsets if kind == "fit" else val)
+            b = (b + [b[-1]] * lp.shape[1])[: lp.shape[1]]
+            lp = lp + np.asarray(b)[None, :, None]
+        by["chat" if p < N_CHAT else "code"].append((seq, plen, lp, ids))
+    out = {d: tree_sim.tau(rows, budget, k, lam) for d, rows in by.items() if rows}
+    out["all"] = tree_sim.tau(by["chat"] + by["code"], budget, k, lam)
+    return out
+
+
+def main(argv=None) -> int:
+    from ddserve.bench.engine_cpu import prompt_set
+    from ddserve.bench.prompts import chat_ids
+    from ddserve.engine.dflash import BUILTIN, DFlashDrafter, load_dflash, load_draft_vocab
+    from ddserve.engine.weights import load_model
+
+    ap = argparse.ArgumentParser(
+        prog="python -m ddserve.bench.tree_tau", description=__doc__.split("\n")[0]
+    )
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--dflash", default=str(BUILTIN["smollm2-135m"]))
+    ap.add_argument("--prompt-set", default="heldout")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--budgets", default="8,16,32")
+    ap.add_argument("--topk", default="2,4,8")
+    ap.add_argument("--scorings", default="product,fit,lambda:0.75")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--name", default="tree_tau")
+    ap.add_argument("--out", default="bench/results/tree-tau")
+    argv = sys.argv[1:] if argv is None else argv
+    a = ap.parse_args(argv)
+    try:
+        budgets = [int(x) for x in a.budgets.split(",")]
+        topks = [int(x) for x in a.topk.split(",")]
+    except ValueError:
+        raise SystemExit("tree_tau: --budgets and --topk take comma-separated integers") from None
+    if min(budgets + topks) < 1:
+        raise SystemExit("tree_tau: budgets and top-k must be >= 1")
+    scorings = [parse_scoring(s) for s in a.scorings.split(",") if s]
+    temps = sorted({1.0} | {v for _, kind, v in scorings if kind == "temp"})
+    t0 = time.time()
+    lm = load_model(a.model, a.device, torch.float32)
+    drafter = DFlashDrafter(load_dflash(a.dflash), lm.model, load_draft_vocab(a.dflash))
+    prompts = chat_ids(lm.tokenizer, prompt_set(a.prompt_set))
+    data = answers(lm, drafter, prompts, a.max_tokens, temps, max(topks))
+    made = time.time() - t0
+    offsets = tree_sim.chain_offsets([(s, p, *tops[1.0]) for s, p, tops in data])
+    rows = []
+    for name, kind, val in scorings:
+        for budget in budgets:
+            for k in topks:
+                tau = simulate(data, budget, k, kind, val, offsets)
+                rows.append({"scoring": name, "budget": budget, "topk": k, "tau": tau})
+                per = ", ".join(f"{d} {v:.3f}" for d, v in tau.items() if d != "all")
+                print(f"{name:>14} b{budget:<3} k{k}  tau {tau['all']:.3f}  ({per})", flush=True)
+    res = {
+        "command": "python -m ddserve.bench.tree_tau " + " ".join(argv),
+        "dflash": a.dflash,
+        "prompts": len(prompts),
+        "answer_tokens": int(sum(len(s) - p for s, p, _ in data)),
+        "chain_offsets": offsets,
+        "seconds_to_distributions": round(made, 1),
+        "rows": rows,
+    }
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{a.name}.json").write_text(json.dumps(res, indent=1))
+    print(f"chain offsets {offsets}; wrote {out / (a.name + '.json')}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
