@@ -5,7 +5,8 @@ and node scoring would reach on the target's own answers, without the engine
 Each held-out prompt's greedy answer (`--max-tokens`, stopping at EOS) is made once by the
 target (transformers' generate over the same weights); one target forward over prompt +
 answer and one drafter forward give every root position's per-depth top-k, through the
-engine's drafter (its draft vocabulary included).
+engine's drafter; each draft vocabulary of `--vocabs` is then the drafter's head restricted
+to its rows (the engine's DFlashDrafter with that vocabulary).
 
 Node scorings (`--scorings`), ways to weigh a tree node:
   product          the engine's: the sum of the path's log-probs (DDTree's)
@@ -17,9 +18,9 @@ Node scorings (`--scorings`), ways to weigh a tree node:
 
   python -m ddserve.bench.tree_tau [--prompt-set heldout] [--max-tokens 128]
       [--budgets 8,16,32] [--topk 2,4,8] [--scorings product,fit,lambda:0.75]
-      [--dflash DIR] [--device cpu] [--name tree_tau] [--out bench/results/tree-tau]
+      [--dflash DIR] [--vocabs drafter,full,DIR] [--device cpu] [--name tree_tau] [--out bench/results/tree-tau]
 
-Writes OUT/NAME.json: per scoring, budget and top-k, tau over every prompt and per domain
+Writes OUT/NAME.json: per vocabulary, scoring, budget and top-k, tau over every prompt and per domain
 (the held-out set's 8 chat prompts, then HumanEval's).
 """
 
@@ -57,9 +58,9 @@ def parse_scoring(spec: str):
 
 
 @torch.inference_mode()
-def answers(lm, drafter, prompts, max_tokens: int, temps: list[float], kmax: int) -> list:
-    """Per prompt (seq, plen, {temperature: (lp, ids)}): the greedy answer and the drafter's
-    top-k at each of its roots."""
+def answers(lm, drafter, prompts, max_tokens: int) -> list:
+    """Per prompt (seq, plen, hidden [A, L, H]): the greedy answer and the drafter's block
+    outputs at each of its roots."""
     from ddserve.engine.weights import to_hf
     from ddserve.training.dflash import block_forward, target_taps
 
@@ -78,11 +79,27 @@ def answers(lm, drafter, prompts, max_tokens: int, temps: list[float], kmax: int
         anchors = torch.arange(plen - 1, t.shape[1] - 1, device=dev)[None]
         taps = target_taps(hf, t, net.c.target_layers)
         hidden, _ = block_forward(net, lm.model, t, anchors, torch.ones_like(anchors) > 0, taps)
-        tops = {
-            temp: tree_sim.root_tops(hidden[0], drafter.head, kmax, drafter.vocab, temp)
-            for temp in temps
-        }
-        out.append((seq.cpu().numpy(), plen, tops))
+        out.append((seq.cpu().numpy(), plen, hidden[0]))
+    return out
+
+
+def vocabularies(spec: str, dflash: str) -> dict:
+    """--vocabs: name -> token ids (None: the whole LM head)."""
+    from ddserve.engine.dflash import load_draft_vocab
+
+    out = {}
+    for name in spec.split(","):
+        if name == "full":
+            out[name] = None
+        elif name == "drafter":
+            out[name] = load_draft_vocab(dflash)
+        else:
+            try:
+                out[name] = load_draft_vocab(Path(name))
+            except Exception as exc:  # noqa: BLE001 - one readable line
+                raise SystemExit(f"tree_tau: --vocabs {name}: {exc}") from None
+            if out[name] is None:
+                raise SystemExit(f"tree_tau: --vocabs {name}: no draft_vocab.safetensors there")
     return out
 
 
@@ -106,7 +123,7 @@ def simulate(data, budget: int, k: int, kind: str, val, offsets) -> dict:
 def main(argv=None) -> int:
     from ddserve.bench.engine_cpu import prompt_set
     from ddserve.bench.prompts import chat_ids
-    from ddserve.engine.dflash import BUILTIN, DFlashDrafter, load_dflash, load_draft_vocab
+    from ddserve.engine.dflash import BUILTIN, DFlashDrafter, load_dflash
     from ddserve.engine.weights import load_model
 
     ap = argparse.ArgumentParser(
@@ -115,6 +132,12 @@ def main(argv=None) -> int:
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--dflash", default=str(BUILTIN["smollm2-135m"]))
     ap.add_argument("--prompt-set", default="heldout")
+    ap.add_argument(
+        "--vocabs",
+        default="drafter",
+        help="draft vocabularies compared (a,b): drafter (its own), full (the whole LM head), "
+        "or a directory holding a draft_vocab.safetensors",
+    )
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--budgets", default="8,16,32")
     ap.add_argument("--topk", default="2,4,8")
@@ -135,24 +158,39 @@ def main(argv=None) -> int:
     temps = sorted({1.0} | {v for _, kind, v in scorings if kind == "temp"})
     t0 = time.time()
     lm = load_model(a.model, a.device, torch.float32)
-    drafter = DFlashDrafter(load_dflash(a.dflash), lm.model, load_draft_vocab(a.dflash))
+    vocabs = vocabularies(a.vocabs, a.dflash)
+    drafter = DFlashDrafter(load_dflash(a.dflash), lm.model)
     prompts = chat_ids(lm.tokenizer, prompt_set(a.prompt_set))
-    data = answers(lm, drafter, prompts, a.max_tokens, temps, max(topks))
+    hidden = answers(lm, drafter, prompts, a.max_tokens)
     made = time.time() - t0
-    offsets = tree_sim.chain_offsets([(s, p, *tops[1.0]) for s, p, tops in data])
-    rows = []
-    for name, kind, val in scorings:
-        for budget in budgets:
-            for k in topks:
-                tau = simulate(data, budget, k, kind, val, offsets)
-                rows.append({"scoring": name, "budget": budget, "topk": k, "tau": tau})
-                per = ", ".join(f"{d} {v:.3f}" for d, v in tau.items() if d != "all")
-                print(f"{name:>14} b{budget:<3} k{k}  tau {tau['all']:.3f}  ({per})", flush=True)
+    rows, offsets = [], {}
+    head = lm.model.lm_head.weight
+    for vname, vocab in vocabs.items():
+        rows_v = head if vocab is None else head[vocab]
+        data = [
+            (s, p, {t: tree_sim.root_tops(h, rows_v, max(topks), vocab, t) for t in temps})
+            for s, p, h in hidden
+        ]
+        off = offsets[vname] = tree_sim.chain_offsets([(s, p, *t[1.0]) for s, p, t in data])
+        for name, kind, val in scorings:
+            for budget in budgets:
+                for k in topks:
+                    tau = simulate(data, budget, k, kind, val, off)
+                    rows.append(
+                        {"vocab": vname, "scoring": name, "budget": budget, "topk": k, "tau": tau}
+                    )
+                    per = ", ".join(f"{d} {v:.3f}" for d, v in tau.items() if d != "all")
+                    print(
+                        f"{vname[-24:]:>24} {name:>14} b{budget:<3} k{k}  tau {tau['all']:.3f}"
+                        f"  ({per})",
+                        flush=True,
+                    )
     res = {
         "command": "python -m ddserve.bench.tree_tau " + " ".join(argv),
         "dflash": a.dflash,
         "prompts": len(prompts),
-        "answer_tokens": int(sum(len(s) - p for s, p, _ in data)),
+        "answer_tokens": int(sum(len(s) - p for s, p, _ in hidden)),
+        "vocabs": {n: None if v is None else len(v) for n, v in vocabs.items()},
         "chain_offsets": offsets,
         "seconds_to_distributions": round(made, 1),
         "rows": rows,
@@ -160,7 +198,7 @@ def main(argv=None) -> int:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{a.name}.json").write_text(json.dumps(res, indent=1))
-    print(f"chain offsets {offsets}; wrote {out / (a.name + '.json')}")
+    print(f"wrote {out / (a.name + '.json')}")
     return 0
 
 

@@ -39,9 +39,16 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ddserve.engine.dflash import DFlashConfig, DFlashModel, block_weights, load_dflash, save_dflash
-from ddserve.engine.weights import load_model, to_hf
-from ddserve.training import tree_sim
+from ddserve.engine.dflash import (
+    DFlashConfig,
+    DFlashModel,
+    block_weights,
+    load_dflash,
+    load_draft_vocab,
+    save_dflash,
+)
+from ddserve.engine.weights import load_model, load_tokenizer, to_hf
+from ddserve.training import draft_vocab, tree_sim
 from ddserve.training.corpus import (
     CorpusEngine,
     heldout_set,
@@ -221,6 +228,12 @@ def stage_train(args, lm, corpus: Corpus, work: Path) -> DFlashModel:
         "command": " ".join(["python -m ddserve.training.dflash", *sys.argv[1:]]),
         "init": args.init,
     }
+    if args.draft_vocab > 0:  # the LM head rows it drafts from: its corpus' answer tokens
+        tok = lm.tokenizer or load_tokenizer(args.model)
+        counts = draft_vocab.answer_counts(corpus, lm.model.cfg.vocab_size)
+        ids, coverage = draft_vocab.keep_ids(counts, args.draft_vocab, tok)
+        draft_vocab.save_vocab(ids, out_dir)
+        meta["draft_vocab"] = {"tokens": len(ids), "answer_coverage": round(coverage, 4)}
     save_dflash(draft, out_dir, meta)
     log(stage="train", done=True, **meta)
     return load_dflash(out_dir)
@@ -251,10 +264,14 @@ def agreement(args, lm, hf, draft: DFlashModel, seqs) -> tuple[list[float], int]
 
 
 @torch.inference_mode()
-def answer_tops(args, lm, hf, draft: DFlashModel, seqs, k: int) -> list[tuple]:
+def answer_tops(args, lm, hf, draft: DFlashModel, seqs, k: int, vocab=None) -> list[tuple]:
     """(seq, plen, top-k log-probs, ids) per sequence at every root of its answer, for the
-    simulated rounds of training/tree_sim.py (the whole LM head: no draft vocabulary)."""
+    simulated rounds of training/tree_sim.py (over the LM head's `vocab` rows, or all)."""
     dev, c = lm.model.device, draft.c
+    head = lm.model.lm_head.weight
+    if vocab is not None:
+        vocab = vocab.to(dev)
+        head = head[vocab]
     out = []
     for s, plen in seqs:
         s = np.asarray(s)[:EVAL_LEN]
@@ -267,7 +284,7 @@ def answer_tops(args, lm, hf, draft: DFlashModel, seqs, k: int) -> list[tuple]:
             hidden, _ = block_forward(
                 draft, lm.model, ids, anchors, torch.ones_like(anchors) > 0, taps
             )
-        lp, top = tree_sim.root_tops(hidden[0], lm.model.lm_head.weight, k)
+        lp, top = tree_sim.root_tops(hidden[0], head, k, vocab)
         out.append((s, plen, lp, top))
     return out
 
@@ -301,6 +318,9 @@ def stage_eval(args, lm, draft: DFlashModel, work: Path, corpus: Corpus | None =
     hf = to_hf(lm.model)
     draft = draft.to(lm.model.device).eval()
     res: dict = {"heldout": {}}
+    # the simulated rounds draft from the drafter's vocabulary, as the engine would
+    vocab = load_draft_vocab(work / "drafter")
+    res["tree_tau_vocab"] = None if vocab is None else len(vocab)
     for name, sources in EVAL_SETS.items():
         idx = held.indices(sources)
         acc, blocks = agreement(args, lm, hf, draft, [held.sequence(i) for i in idx])
@@ -308,7 +328,7 @@ def stage_eval(args, lm, draft: DFlashModel, work: Path, corpus: Corpus | None =
         tops = (
             []
             if name == "legacy"
-            else answer_tops(args, lm, hf, draft, [held.sequence(i) for i in idx], 4)
+            else answer_tops(args, lm, hf, draft, [held.sequence(i) for i in idx], 4, vocab)
         )
         if tops:  # greedy rounds of the engine's trees over these answers (tree_sim)
             res["heldout"][name]["tree_tau"] = {
@@ -383,6 +403,8 @@ def parser() -> argparse.ArgumentParser:
     arg("--ckpt-every", type=int, default=200)
     arg("--retrain", action="store_true")
     arg("--init", help="start from this trained drafter directory")
+    arg("--draft-vocab", type=int, default=16384,
+        help="the drafter's vocabulary: the corpus answers' most frequent tokens (0: all)")  # fmt: skip
     return ap
 
 
@@ -413,8 +435,9 @@ def main(argv=None) -> int:
         import shutil
 
         Path(args.out).mkdir(parents=True, exist_ok=True)
-        for name in ("model.safetensors", "config.json"):
-            shutil.copy(work / "drafter" / name, Path(args.out) / name)
+        for name in ("model.safetensors", "config.json", "draft_vocab.safetensors"):
+            if (work / "drafter" / name).exists():
+                shutil.copy(work / "drafter" / name, Path(args.out) / name)
     return 0
 
 

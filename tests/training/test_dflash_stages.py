@@ -4,9 +4,10 @@ another shape."""
 
 import json
 
+import numpy as np
 import pytest
 
-from ddserve.engine.dflash import load_dflash
+from ddserve.engine.dflash import load_dflash, load_draft_vocab
 from ddserve.training.corpus_store import Corpus, load_parts
 from ddserve.training.dflash import main
 
@@ -31,6 +32,12 @@ def test_every_stage_writes_its_output(trained):
     meta = json.loads((trained / "drafter" / "config.json").read_text())["training"]
     assert meta["steps"] == 2 and meta["sequences"] > 0
     assert (trained / "out" / "model.safetensors").exists()
+    # its vocabulary: the corpus answers' tokens (every one here: a tiny corpus), and the
+    # special ones; eval's simulated rounds draft from it
+    vocab = load_draft_vocab(trained / "out")
+    answers = set(load_parts(trained).answer_tokens.tolist())
+    assert answers <= set(vocab.tolist()) and len(vocab) == meta["draft_vocab"]["tokens"]
+    assert meta["draft_vocab"]["answer_coverage"] == 1.0
     res = json.loads((trained / "eval.json").read_text())
     assert set(res["heldout"]) == {"chat", "code", "legacy"}
     chat, code, legacy = (res["heldout"][k] for k in ("chat", "code", "legacy"))
@@ -46,6 +53,7 @@ def test_every_stage_writes_its_output(trained):
         assert all(1.0 <= t <= 9.0 for t in r["tree_tau"].values())
         assert len(r["chain_offsets"]) == 8
     assert "tree_tau" not in legacy  # chat's and code's prompts again
+    assert res["tree_tau_vocab"] == len(vocab)
     assert set(res["train_distribution"]) == set(res["gap_next_token"]) == {"chat", "code"}
 
 
@@ -113,3 +121,21 @@ def test_a_second_corpus_with_another_training_seed_joins_the_first(trained, tmp
                  meta={"model": "smollm2-135m"}).save(other / "corpus-000.npz")  # fmt: skip
     with pytest.raises(SystemExit, match="smollm2-135m"):
         with_earlier(second, [str(other)], work, tok)
+
+
+def test_draft_vocab_from_a_corpus_and_a_missing_one(trained, tmp_path):
+    """`python -m ddserve.training.draft_vocab --corpus WORK`: the k most frequent answer
+    tokens (and the tokenizer's special ones); a directory without corpus parts is one
+    readable line, no file."""
+    from ddserve.training import draft_vocab
+
+    counts = draft_vocab.answer_counts(load_parts(trained), 1 << 16)
+    assert draft_vocab.main(["--model", "tiny-random", "--k", "5", "--corpus", str(trained),
+                             "--out", str(tmp_path / "v")]) == 0  # fmt: skip
+    ids = set(load_draft_vocab(tmp_path / "v").tolist())
+    top5 = set(np.argsort(-counts, kind="stable")[:5].tolist())
+    assert top5 <= ids and len(ids - top5) <= 32  # the rest: special tokens
+    with pytest.raises(SystemExit, match="no corpus-NNN.npz parts"):
+        draft_vocab.main(["--model", "tiny-random", "--corpus", str(tmp_path / "none"),
+                          "--out", str(tmp_path / "w")])  # fmt: skip
+    assert not (tmp_path / "w").exists()
