@@ -8,6 +8,10 @@ answer and one drafter forward give every root position's per-depth top-k, throu
 engine's drafter; each draft vocabulary of `--vocabs` is then the drafter's head restricted
 to its rows (the engine's DFlashDrafter with that vocabulary).
 
+A budget below the engine's draft depth (`--depth`, the engine's own, 8) drafts a block of
+that many positions, as the engine does (the block's attention is bidirectional: its
+distributions are not a longer block's first ones).
+
 Node scorings (`--scorings`), ways to weigh a tree node:
   product          the engine's: the sum of the path's log-probs (DDTree's)
   bias:B1/B2/..    per-depth offsets added to the log-probs (depth 1 first; the last repeats)
@@ -18,7 +22,7 @@ Node scorings (`--scorings`), ways to weigh a tree node:
 
   python -m ddserve.bench.tree_tau [--prompt-set heldout] [--max-tokens 128]
       [--budgets 8,16,32] [--topk 2,4,8] [--scorings product,fit,lambda:0.75]
-      [--dflash DIR] [--vocabs drafter,full,DIR] [--device cpu] [--name tree_tau] [--out bench/results/tree-tau]
+      [--dflash DIR] [--vocabs drafter,full,DIR] [--depth 8] [--device cpu] [--name tree_tau] [--out bench/results/tree-tau]
 
 Writes OUT/NAME.json: per vocabulary, scoring, budget and top-k, tau over every prompt and per domain
 (the held-out set's 8 chat prompts, then HumanEval's).
@@ -58,9 +62,11 @@ def parse_scoring(spec: str):
 
 
 @torch.inference_mode()
-def answers(lm, drafter, prompts, max_tokens: int) -> list:
-    """Per prompt (seq, plen, hidden [A, L, H]): the greedy answer and the drafter's block
-    outputs at each of its roots."""
+def answers(lm, drafter, prompts, max_tokens: int, depths: list[int]) -> list:
+    """Per prompt (seq, plen, {depth: hidden [A, depth, H]}): the greedy answer and the
+    drafter's block outputs at each of its roots, for blocks of each depth (the engine
+    drafts min(its depth, budget, block size) positions, and the block's attention is
+    bidirectional: a shorter block is not a longer one's prefix)."""
     from ddserve.engine.weights import to_hf
     from ddserve.training.dflash import block_forward, target_taps
 
@@ -78,12 +84,13 @@ def answers(lm, drafter, prompts, max_tokens: int) -> list:
         plen = len(ids)
         anchors = torch.arange(plen - 1, t.shape[1] - 1, device=dev)[None]
         taps = target_taps(hf, t, net.c.target_layers)
-        hidden, _ = block_forward(net, lm.model, t, anchors, torch.ones_like(anchors) > 0, taps)
-        out.append((seq.cpu().numpy(), plen, hidden[0]))
+        valid = torch.ones_like(anchors) > 0
+        hidden = {d: block_forward(net, lm.model, t, anchors, valid, taps, d)[0][0] for d in depths}
+        out.append((seq.cpu().numpy(), plen, hidden))
     return out
 
 
-def vocabularies(spec: str, dflash: str) -> dict:
+def vocabularies(spec: str, dflash: str, vocab_size: int) -> dict:
     """--vocabs: name -> token ids (None: the whole LM head)."""
     from ddserve.engine.dflash import load_draft_vocab
 
@@ -100,23 +107,31 @@ def vocabularies(spec: str, dflash: str) -> dict:
                 raise SystemExit(f"tree_tau: --vocabs {name}: {exc}") from None
             if out[name] is None:
                 raise SystemExit(f"tree_tau: --vocabs {name}: no draft_vocab.safetensors there")
+        ids = out[name]
+        if ids is not None and (
+            ids.numel() == 0 or int(ids.min()) < 0 or int(ids.max()) >= vocab_size
+        ):
+            raise SystemExit(f"tree_tau: --vocabs {name}: token ids outside [0, {vocab_size})")
     return out
 
 
-def simulate(data, budget: int, k: int, kind: str, val, offsets) -> dict:
-    """tau over every answer and per domain under one scoring."""
+def simulate(data, budget: int, k: int, kind: str, val, offsets, n_chat=N_CHAT) -> dict:
+    """tau over every answer, and per domain when the first `n_chat` answers are chat ones
+    (the held-out set: 8 chat prompts, then HumanEval's)."""
     temp = val if kind == "temp" else 1.0
     lam = val if kind == "lambda" else 1.0
-    by = {"chat": [], "code": []}
+    by = {"chat": [], "code": [], "all": []}
     for p, (seq, plen, tops) in enumerate(data):
         lp, ids = tops[temp]
         if kind in ("bias", "fit"):
             b = list(offsets if kind == "fit" else val)
             b = (b + [b[-1]] * lp.shape[1])[: lp.shape[1]]
             lp = lp + np.asarray(b)[None, :, None]
-        by["chat" if p < N_CHAT else "code"].append((seq, plen, lp, ids))
-    out = {d: tree_sim.tau(rows, budget, k, lam) for d, rows in by.items() if rows}
-    out["all"] = tree_sim.tau(by["chat"] + by["code"], budget, k, lam)
+        by["all" if n_chat is None else "chat" if p < n_chat else "code"].append(
+            (seq, plen, lp, ids)
+        )
+    out = {d: tree_sim.tau(rows, budget, k, lam) for d, rows in by.items() if rows and d != "all"}
+    out["all"] = tree_sim.tau(by["chat"] + by["code"] + by["all"], budget, k, lam)
     return out
 
 
@@ -125,6 +140,7 @@ def main(argv=None) -> int:
     from ddserve.bench.prompts import chat_ids
     from ddserve.engine.dflash import BUILTIN, DFlashDrafter, load_dflash
     from ddserve.engine.weights import load_model
+    from ddserve.errors import ConfigError
 
     ap = argparse.ArgumentParser(
         prog="python -m ddserve.bench.tree_tau", description=__doc__.split("\n")[0]
@@ -139,6 +155,7 @@ def main(argv=None) -> int:
         "or a directory holding a draft_vocab.safetensors",
     )
     ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--depth", type=int, default=8, help="the engine's draft depth (its --depth)")
     ap.add_argument("--budgets", default="8,16,32")
     ap.add_argument("--topk", default="2,4,8")
     ap.add_argument("--scorings", default="product,fit,lambda:0.75")
@@ -152,30 +169,48 @@ def main(argv=None) -> int:
         topks = [int(x) for x in a.topk.split(",")]
     except ValueError:
         raise SystemExit("tree_tau: --budgets and --topk take comma-separated integers") from None
-    if min(budgets + topks) < 1:
-        raise SystemExit("tree_tau: budgets and top-k must be >= 1")
+    if min(budgets + topks) < 1 or a.max_tokens < 1 or a.depth < 1:
+        raise SystemExit("tree_tau: budgets, top-k, --depth and --max-tokens must be >= 1")
     scorings = [parse_scoring(s) for s in a.scorings.split(",") if s]
     temps = sorted({1.0} | {v for _, kind, v in scorings if kind == "temp"})
+    if min(temps) <= 0:
+        raise SystemExit("tree_tau: temp:T needs T > 0")
     t0 = time.time()
-    lm = load_model(a.model, a.device, torch.float32)
-    vocabs = vocabularies(a.vocabs, a.dflash)
-    drafter = DFlashDrafter(load_dflash(a.dflash), lm.model)
-    prompts = chat_ids(lm.tokenizer, prompt_set(a.prompt_set))
-    hidden = answers(lm, drafter, prompts, a.max_tokens)
+    try:
+        lm = load_model(a.model, a.device, torch.float32)
+        net = load_dflash(a.dflash)
+        drafter = DFlashDrafter(net, lm.model)
+    except (ConfigError, OSError, ValueError) as exc:
+        raise SystemExit(f"tree_tau: {exc}") from None
+    try:
+        texts = prompt_set(a.prompt_set)
+    except (ValueError, IndexError, KeyError):
+        raise SystemExit(
+            f"tree_tau: --prompt-set {a.prompt_set!r}: chat, humaneval, mixed, heldout or heldout:N"
+        ) from None
+    vocabs = vocabularies(a.vocabs, a.dflash, lm.model.cfg.vocab_size)
+    prompts = chat_ids(lm.tokenizer, texts)
+    depth_of = {b: min(a.depth, b, net.c.block_size) for b in budgets}  # as the engine drafts
+    hidden = answers(lm, drafter, prompts, a.max_tokens, sorted(set(depth_of.values())))
     made = time.time() - t0
+    n_chat = N_CHAT if a.prompt_set.startswith("heldout") else None
     rows, offsets = [], {}
     head = lm.model.lm_head.weight
     for vname, vocab in vocabs.items():
         rows_v = head if vocab is None else head[vocab]
-        data = [
-            (s, p, {t: tree_sim.root_tops(h, rows_v, max(topks), vocab, t) for t in temps})
-            for s, p, h in hidden
-        ]
-        off = offsets[vname] = tree_sim.chain_offsets([(s, p, *t[1.0]) for s, p, t in data])
+        data = {
+            d: [
+                (s, p, {t: tree_sim.root_tops(h[d], rows_v, max(topks), vocab, t) for t in temps})
+                for s, p, h in hidden
+            ]
+            for d in sorted(set(depth_of.values()))
+        }
+        full = data[max(data)]
+        off = offsets[vname] = tree_sim.chain_offsets([(s, p, *t[1.0]) for s, p, t in full])
         for name, kind, val in scorings:
             for budget in budgets:
                 for k in topks:
-                    tau = simulate(data, budget, k, kind, val, off)
+                    tau = simulate(data[depth_of[budget]], budget, k, kind, val, off, n_chat)
                     rows.append(
                         {"vocab": vname, "scoring": name, "budget": budget, "topk": k, "tau": tau}
                     )
@@ -191,6 +226,7 @@ def main(argv=None) -> int:
         "prompts": len(prompts),
         "answer_tokens": int(sum(len(s) - p for s, p, _ in hidden)),
         "vocabs": {n: None if v is None else len(v) for n, v in vocabs.items()},
+        "depth_of_budget": depth_of,
         "chain_offsets": offsets,
         "seconds_to_distributions": round(made, 1),
         "rows": rows,

@@ -82,10 +82,12 @@ def make_batch(seqs, nb: int, L: int, max_len: int, rng: random.Random, pad: int
     return ids, anchors, valid
 
 
-def block_forward(draft: DFlashModel, target, ids, anchors, valid, taps):
-    """Logits [B, nb, L, V] of every block's MASK positions and labels [B, nb, L]."""
+def block_forward(draft: DFlashModel, target, ids, anchors, valid, taps, depth: int = 0):
+    """Hidden states [B, nb, L, H] of every block's MASK positions and labels [B, nb, L];
+    `depth`: blocks of that many MASK positions (the engine drafts min(depth, budget,
+    block) of them), else the drafter's block size."""
     c = draft.c
-    L = c.block_size
+    L = depth or c.block_size
     B, T = ids.shape
     nb = anchors.shape[1]
     dev = ids.device
@@ -231,9 +233,11 @@ def stage_train(args, lm, corpus: Corpus, work: Path) -> DFlashModel:
     if args.draft_vocab > 0:  # the LM head rows it drafts from: its corpus' answer tokens
         tok = lm.tokenizer or load_tokenizer(args.model)
         counts = draft_vocab.answer_counts(corpus, lm.model.cfg.vocab_size)
-        ids, coverage = draft_vocab.keep_ids(counts, args.draft_vocab, tok)
+        ids, coverage = draft_vocab.keep_ids(counts, args.draft_vocab, tok, lm.model.cfg.vocab_size)
         draft_vocab.save_vocab(ids, out_dir)
         meta["draft_vocab"] = {"tokens": len(ids), "answer_coverage": round(coverage, 4)}
+    else:  # the whole head: no vocabulary of an earlier run beside the new weights
+        (out_dir / "draft_vocab.safetensors").unlink(missing_ok=True)
     save_dflash(draft, out_dir, meta)
     log(stage="train", done=True, **meta)
     return load_dflash(out_dir)
@@ -410,6 +414,8 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
+    if args.draft_vocab < 0:
+        raise SystemExit("dflash: --draft-vocab must be 0 (the whole LM head) or more")
     args.concurrency = args.concurrency or args.engine_batch
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -435,9 +441,13 @@ def main(argv=None) -> int:
         import shutil
 
         Path(args.out).mkdir(parents=True, exist_ok=True)
-        for name in ("model.safetensors", "config.json", "draft_vocab.safetensors"):
-            if (work / "drafter" / name).exists():
-                shutil.copy(work / "drafter" / name, Path(args.out) / name)
+        for name in ("model.safetensors", "config.json"):
+            shutil.copy(work / "drafter" / name, Path(args.out) / name)
+        vocab = Path(args.out) / "draft_vocab.safetensors"  # the drafter's, or none
+        if (work / "drafter" / vocab.name).exists():
+            shutil.copy(work / "drafter" / vocab.name, vocab)
+        else:
+            vocab.unlink(missing_ok=True)
     return 0
 
 

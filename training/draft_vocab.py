@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
-from ddserve.engine.weights import load_tokenizer
+from ddserve.engine.weights import load_model, load_tokenizer
 from ddserve.training.prompts import training_prompts
 
 
@@ -42,15 +42,16 @@ def texts(max_bytes: int) -> list[str]:
     return out
 
 
-def keep_ids(counts: np.ndarray, k: int, tok) -> tuple[torch.Tensor, float]:
+def keep_ids(counts: np.ndarray, k: int, tok, vocab_size: int) -> tuple[torch.Tensor, float]:
     """The `k` most counted token ids (counts [V] per id) plus the tokenizer's special ones
-    and EOS, ascending; and the share of the counted tokens they cover."""
+    and EOS (those the model has: ids below `vocab_size`), ascending; and the share of the
+    counted tokens they cover."""
     order = np.argsort(-counts, kind="stable")[:k]
     keep = {int(i) for i in order if counts[i] > 0}
     keep |= set(tok.all_special_ids)
     if tok.eos_token_id is not None:
         keep.add(tok.eos_token_id)
-    ids = torch.tensor(sorted(keep), dtype=torch.long)
+    ids = torch.tensor(sorted(i for i in keep if 0 <= i < vocab_size), dtype=torch.long)
     total = int(counts.sum())
     covered = int(counts[ids[ids < len(counts)].numpy()].sum())
     return ids, covered / max(total, 1)
@@ -76,10 +77,14 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     if a.k < 1:
         raise SystemExit("draft_vocab: --k must be at least 1")
-    tok = load_tokenizer(a.model)
-    size = max(len(tok), max(tok.all_special_ids, default=0) + 1)
+    from ddserve.errors import ConfigError
+
+    try:
+        tok = load_tokenizer(a.model)
+        size = load_model(a.model, with_tokenizer=False).model.cfg.vocab_size
+    except (ConfigError, OSError, ValueError) as exc:
+        raise SystemExit(f"draft_vocab: --model {a.model}: {exc}") from None
     if a.corpus:
-        from ddserve.errors import ConfigError
         from ddserve.training.corpus_store import load_parts
 
         counts = np.zeros(size, dtype=np.int64)
@@ -93,10 +98,11 @@ def main(argv=None) -> int:
         counter = collections.Counter()
         for t in texts(a.max_bytes):
             counter.update(tok(t, add_special_tokens=False)["input_ids"])
-        counts = np.zeros(max(size, max(counter, default=0) + 1), dtype=np.int64)
+        counts = np.zeros(size, dtype=np.int64)
         for i, n in counter.items():
-            counts[i] = n
-    ids, coverage = keep_ids(counts, a.k, tok)
+            if i < size:
+                counts[i] = n
+    ids, coverage = keep_ids(counts, a.k, tok, size)
     save_vocab(ids, Path(a.out))
     print(
         f"{len(ids)} tokens cover {coverage:.4f} of {int(counts.sum())} counted tokens -> {a.out}"

@@ -34,7 +34,7 @@ def root_tops(
     `ddserve.training.dflash.block_forward`, anchors plen - 1 .. T - 2) -> its top-k
     log-probs and token ids per depth, float64 / int64 arrays [A, L, k]. `head`: the LM head
     rows the drafter proposes, `vocab` their token ids (None: the whole vocabulary)."""
-    logits = hidden.float() @ head.float().T
+    logits = hidden.float() @ head.float().T  # (the engine's CUDA draft: bf16 products)
     lp = torch.log_softmax(logits / temperature, dim=-1)
     v, i = torch.topk(lp, min(k, lp.shape[-1]), dim=-1)
     if vocab is not None:
@@ -46,6 +46,7 @@ def build(lp: np.ndarray, ids: np.ndarray, budget: int, k: int, lam: float = 1.0
     """The best-first tree over one root's [L, K] log-probs and ids, `build_tree_top`'s
     order and ties; a node weighs its log-prob + `lam` x its parent's weight (1: the sum
     along the path, the engine's). Returns (tokens, parents), node 0 the root (token -1)."""
+    k = min(k, lp.shape[1])  # fewer candidates than asked (a small vocabulary): only those
     toks, pars, logw = [-1], [-1], [0.0]
     if budget <= 0 or not lp[0, 0] > -math.inf:
         return toks, pars

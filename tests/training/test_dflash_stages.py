@@ -123,10 +123,24 @@ def test_a_second_corpus_with_another_training_seed_joins_the_first(trained, tmp
         with_earlier(second, [str(other)], work, tok)
 
 
+def test_no_draft_vocab_leaves_none_behind(trained, tmp_path):
+    """--draft-vocab 0 drafts from the whole head: an earlier run's vocabulary goes, beside
+    the weights and in --out."""
+    out = tmp_path / "out"
+    args = [*TINY, "--work", str(trained), "--stages", "train", "--retrain", "--max-steps", "1"]
+    assert main([*args, "--out", str(out)]) == 0
+    assert load_draft_vocab(out) is not None
+    assert main([*args, "--draft-vocab", "0", "--out", str(out)]) == 0
+    assert load_draft_vocab(trained / "drafter") is None and load_draft_vocab(out) is None
+    with pytest.raises(SystemExit, match="--draft-vocab"):
+        main([*args, "--draft-vocab", "-1"])
+
+
 def test_draft_vocab_from_a_corpus_and_a_missing_one(trained, tmp_path):
     """`python -m ddserve.training.draft_vocab --corpus WORK`: the k most frequent answer
     tokens (and the tokenizer's special ones); a directory without corpus parts is one
     readable line, no file."""
+    from ddserve.engine.weights import load_model
     from ddserve.training import draft_vocab
 
     counts = draft_vocab.answer_counts(load_parts(trained), 1 << 16)
@@ -134,7 +148,8 @@ def test_draft_vocab_from_a_corpus_and_a_missing_one(trained, tmp_path):
                              "--out", str(tmp_path / "v")]) == 0  # fmt: skip
     ids = set(load_draft_vocab(tmp_path / "v").tolist())
     top5 = set(np.argsort(-counts, kind="stable")[:5].tolist())
-    assert top5 <= ids and len(ids - top5) <= 32  # the rest: special tokens
+    tok = load_model("tiny-random").tokenizer
+    assert top5 <= ids and ids - top5 <= set(tok.all_special_ids) | {tok.eos_token_id}
     with pytest.raises(SystemExit, match="no corpus-NNN.npz parts"):
         draft_vocab.main(["--model", "tiny-random", "--corpus", str(tmp_path / "none"),
                           "--out", str(tmp_path / "w")])  # fmt: skip

@@ -48,9 +48,10 @@ def test_lambda_below_one_lets_a_deep_path_outweigh_a_second_choice():
 
 
 def test_rounds_count_accepted_drafts_and_the_bonus():
-    # a chain drafter that always proposes the answer's next 3 tokens, then one that never
-    # does: 4 tokens a round, then 1
-    seq = np.arange(100, 120)
+    # a chain drafter that always proposes the answer's next 3 tokens: 4 tokens a round, the
+    # last round cut to what is left of the answer (17 tokens: 4 rounds of 4, then 1); one
+    # that never does: 1 token a round
+    seq = np.arange(100, 121)
     plen = 4
     roots = len(seq) - plen
     lp = np.zeros((roots, 3, 1))
@@ -58,10 +59,26 @@ def test_rounds_count_accepted_drafts_and_the_bonus():
     for a in range(roots):
         root = plen - 1 + a
         ids[a, :, 0] = [seq[min(root + 1 + d, len(seq) - 1)] for d in range(3)]
-    tokens, rounds = tree_sim.rounds(seq, plen, lp, ids, budget=3, k=1)
-    assert tokens == len(seq) - plen and rounds == math.ceil((len(seq) - plen) / 4)
-    tokens, rounds = tree_sim.rounds(seq, plen, lp, ids * 0, budget=3, k=1)
-    assert tokens == rounds == len(seq) - plen
+    assert tree_sim.rounds(seq, plen, lp, ids, budget=3, k=1) == (17, 5)
+    assert tree_sim.rounds(seq, plen, lp, ids * 0, budget=3, k=1) == (17, 17)
+
+
+def test_an_accepted_path_may_run_through_a_second_choice():
+    # depth 1's best guess is wrong, its second right; depth 2's best is right: with k=2 and
+    # budget 3 the tree is (wrong, right) at depth 1 and the child of `wrong` at depth 2
+    # (weights .6*.9 > .4), so one token is accepted, then the bonus; budget 4 adds the
+    # child of `right`: two accepted
+    seq = np.array([1, 2, 3, 4])
+    lp = np.log(np.array([[[0.6, 0.4], [0.9, 0.1]]] * 3))
+    ids = np.array([[[9, 3], [4, 8]]] * 3)
+    toks, pars = tree_sim.build(lp[0], ids[0], 3, 2)
+    assert toks == [-1, 9, 4, 3] and pars == [-1, 0, 1, 0]
+    assert tree_sim.accepted(toks, pars, seq[2:]) == 1
+    toks, pars = tree_sim.build(lp[0], ids[0], 4, 2)
+    assert tree_sim.accepted(toks, pars, seq[2:]) == 2
+    assert tree_sim.rounds(seq, 2, lp, ids, budget=4, k=2) == (2, 1)
+    # fewer candidates than asked: the engine's rule, only those
+    assert tree_sim.build(lp[0][:, :1], ids[0][:, :1], 4, 2)[0] == [-1, 9, 4]
 
 
 @pytest.mark.slow
