@@ -29,17 +29,20 @@ import asyncio
 import gc
 import json
 import os
+import platform
 import sys
 import time
 from pathlib import Path
 
 import torch
 
-from ddserve.bench.engine_cpu import REGISTRY, load_on
+from ddserve.bench.engine_cpu import REGISTRY, load_on, prompt_set
 from ddserve.bench.load import RequestResult, closed_loop
+from ddserve.bench.prompts import chat_ids
 from ddserve.config.engine import EngineConfig
 from ddserve.engine.runner import EngineRunner
 from ddserve.engine.sampling import SamplingParams
+from ddserve.engine.weights import load_tokenizer
 
 
 async def one(runner: EngineRunner, prompt: list[int], sampling: SamplingParams):
@@ -211,11 +214,26 @@ def main() -> None:
         levels = [int(x) for x in a.concurrency.split(",")]
     except ValueError:
         sys.exit(f"--concurrency {a.concurrency!r}: expected integers like 1,4,16")
-    lm, prompts, machine = load_on(a.model, a.device, a.prompt_set)
+    device = a.device if a.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cpu":
+        # no torch work in this thread: each runner loads its model in its worker. Once a
+        # thread has run torch's OpenMP regions, another thread's run 2x slower on this 2-core
+        # VM (libgomp throttles its spin-waits when its thread teams outnumber the cores: a
+        # tiny model's token took 4.9 ms in the runner's worker after a load here, 1.9 ms
+        # with the load there too); the server's engine loads in its worker the same way
+        lm, machine = (
+            None,
+            f"{platform.machine()} {os.cpu_count()} cores, torch {torch.__version__}",
+        )
+        prompts = chat_ids(load_tokenizer(a.model), prompt_set(a.prompt_set))
+        dtype = str(torch.float32)
+    else:
+        lm, prompts, machine = load_on(a.model, device, a.prompt_set)
+        dtype = str(lm.model.dtype)
     result = {
         "model": a.model,
         "machine": machine,
-        "dtype": str(lm.model.dtype),
+        "dtype": dtype,
         "max_tokens": a.max_tokens,
         "temperature": a.temperature,
         "prompt_set": a.prompt_set,
