@@ -37,16 +37,29 @@ class Drafting:
             return None
         return self.drafter.draft(seq.draft_state, DraftContext(seq.tokens, params.window), depth)
 
+    def block_depth(self, budget: int) -> int:
+        """Positions a round of `budget` drafts: a DFlash drafter drafts its whole trained
+        block (up to the engine's depth) whatever the budget, since its attention inside the
+        block is bidirectional and it learnt blocks of that size: a block cut to the budget
+        drafts worse (b3/k1 on the held-out answers, simulated: tau 2.239 from 3-position
+        blocks, 2.286 from the first 3 of 8; bench/NOTES.md); the tree still has at most
+        `budget` nodes. Other drafters draft `budget` deep at most."""
+        if budget <= 0:
+            return 0
+        if self.sdraft is not None:
+            return min(self.depth, self.sdraft.block)
+        return min(self.depth, budget)
+
     def tree_width(self, budget: int, topk: int, depth: int | None = None) -> tuple[int, int]:
         """(verify width, most nodes + 1) of the trees a round of these parameters builds."""
         if depth is None:
-            depth = min(self.depth, budget, self.sdraft.block if self.sdraft else budget)
+            depth = self.block_depth(budget)
         bound = size_bound(budget, depth, topk) + 1
         return next_bucket(bound, 2, 1 << 30), bound
 
     def _draft_trees(self, seqs: list[Sequence], params: LiveParams) -> list[Tree] | DeviceTrees:
         t0 = time.perf_counter()
-        depth = min(self.depth, params.budget)
+        depth = self.block_depth(params.budget)
         if self.sdraft is None or depth <= 0:
             # budget 0: the drafter's context write waits until a sequence's feature rows
             # would not hold another round's root (or the next draft writes them)
@@ -62,7 +75,6 @@ class Drafting:
             self.timing["draft_s"] += time.perf_counter() - t0
             return trees
         sd = self.sdraft
-        depth = min(depth, sd.block)
         b = next_bucket(self.pool.used_rows, 1, self.pool.slots)
         q, ml = depth + 1, self.pool.max_len
         slots, root_pos = self._rows(seqs)  # root_pos: the context once fed

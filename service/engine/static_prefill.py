@@ -383,7 +383,7 @@ class Prefill:
                 self.sdraft.write_only(np.tile(np.arange(ml - wn, ml), (b, 1)))
         keys = set()  # the draft graphs' keys but batch size and context
         for budget in budgets if self.sdraft is not None else ():
-            depth = min(self.depth, self.sdraft.block, budget)
+            depth = self.block_depth(budget)
             if depth > 0 and self.device_tree:
                 keys.add((depth, params.topk, budget, self.tree_width(budget, params.topk)[0]))
             elif depth > 0:

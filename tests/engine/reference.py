@@ -95,6 +95,8 @@ class ReferenceEngine:
 
     def draft(self, seq: Sequence, params: LiveParams) -> torch.Tensor | None:
         depth = min(self.depth, params.budget)
+        if depth > 0 and isinstance(self.drafter, DFlashDrafter):
+            depth = self.depth  # a block drafter drafts its whole block whatever the budget
         if depth <= 0:
             return None
         hidden = None
