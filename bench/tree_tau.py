@@ -8,8 +8,9 @@ answer and one drafter forward give every root position's per-depth top-k, throu
 engine's drafter; each draft vocabulary of `--vocabs` is then the drafter's head restricted
 to its rows (the engine's DFlashDrafter with that vocabulary).
 
-A budget below the engine's draft depth (`--depth`, the engine's own, 8) drafts a block of
-that many positions, as the engine does (the block's attention is bidirectional: its
+Every round drafts min(`--depth`, block size) positions, as the engine does whatever the
+budget (StaticEngine.block_depth); `--cut-blocks` drafts min(depth, budget, block) instead,
+as the engine did before 2026-12-06 (the block's attention is bidirectional: a short block's
 distributions are not a longer block's first ones).
 
 Node scorings (`--scorings`), ways to weigh a tree node:
@@ -22,7 +23,7 @@ Node scorings (`--scorings`), ways to weigh a tree node:
 
   python -m ddserve.bench.tree_tau [--prompt-set heldout] [--max-tokens 128]
       [--budgets 8,16,32] [--topk 2,4,8] [--scorings product,fit,lambda:0.75]
-      [--dflash DIR] [--vocabs drafter,full,DIR] [--depth 8] [--device cpu] [--name tree_tau] [--out bench/results/tree-tau]
+      [--dflash DIR] [--vocabs drafter,full,DIR] [--depth 8] [--cut-blocks] [--device cpu] [--name tree_tau] [--out bench/results/tree-tau]
 
 Writes OUT/NAME.json: per vocabulary, scoring, budget and top-k, tau over every prompt and per domain
 (the held-out set's 8 chat prompts, then HumanEval's).
@@ -156,6 +157,9 @@ def main(argv=None) -> int:
     )
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--depth", type=int, default=8, help="the engine's draft depth (its --depth)")
+    ap.add_argument(
+        "--cut-blocks", action="store_true", help="blocks of min(depth, budget) positions"
+    )
     ap.add_argument("--budgets", default="8,16,32")
     ap.add_argument("--topk", default="2,4,8")
     ap.add_argument("--scorings", default="product,fit,lambda:0.75")
@@ -190,7 +194,9 @@ def main(argv=None) -> int:
         ) from None
     vocabs = vocabularies(a.vocabs, a.dflash, lm.model.cfg.vocab_size)
     prompts = chat_ids(lm.tokenizer, texts)
-    depth_of = {b: min(a.depth, b, net.c.block_size) for b in budgets}  # as the engine drafts
+    depth_of = {  # as the engine drafts
+        b: min(a.depth, net.c.block_size, b if a.cut_blocks else a.depth) for b in budgets
+    }
     hidden = answers(lm, drafter, prompts, a.max_tokens, sorted(set(depth_of.values())))
     made = time.time() - t0
     n_chat = N_CHAT if a.prompt_set.startswith("heldout") else None
