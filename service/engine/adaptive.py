@@ -22,8 +22,9 @@ the GPU and the prompts, so it is measured, not configured:
     whose budget reaches b, and gain(b) = 1 + the increments up to b: candidates share
     their common part, so their differences (which decide) carry little of a round's noise
     (a single request's token count varies from 1 to depth + 1), gains never fall with b,
-    and a round at 7 refreshes what 16 shares with it. For b below the drafter's depth the
-    smaller tree would have been drafted with a shorter block: theirs is an estimate.
+    and a round at 7 refreshes what 16 shares with it. (A DFlash drafter drafts its whole
+    block at every budget, so a smaller tree is exactly the bigger one's first nodes; a
+    drafter that drafts `budget` deep would have drafted a shorter one: an estimate there.)
 
 A round picks the candidate with the most tokens per second, gain(b) / time[bucket, b].
 The engine's start-up cost model (`prior`: real rounds of every candidate at every batch
