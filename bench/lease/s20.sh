@@ -19,21 +19,7 @@ case ${CALL:?} in
 0) ls -la /root/parts | tail -3 ;;
 1) TRAIN_SEED=${TRAIN_SEED:-2} MINUTES=${MINUTES:-5.5} bash bench/lease/train_corpus.sh ;;
 2) CORPUS_FROM=.carry/corpus6 TRAIN=${TRAIN:-6.5} bash bench/lease/train_drafter.sh ;;
-3)  . bench/device_env.sh /root/parts
-    D=/root/work/drafter
-    cp service/engine/dflash_weights/smollm2-135m/draft_vocab.safetensors $D/ 2>/dev/null
-    for d in builtin new; do
-        dl=() sc=""
-        [ $d = new ] && dl=(--dflash $D) sc=ar,dflash-b16k4
-        timeout 150 python3 -m ddserve.bench.engine_cpu --device cuda --prompt-set heldout:16 --max-tokens 128 \
-            --configs ar,dflash-b16k4,dflash-b8k2,dflash-b32k4 --sampled-configs "$sc" "${dl[@]}" --no-server \
-            --name c1-$d --out $OUT 2>&1 | grep -v Warning | tail -8
-        echo "c1-$d: ${SECONDS}s"
-    done
-    DFLASH=$D TAG=new LEVELS=1,2,16,64 CONFIGS=ar,dflash-b16k4,dflash-b16k4@adaptive \
-        timeout 250 bash bench/speculation.sh $OUT load
-    rm -f $OUT/*.png
-    ;;
+3) BUILTIN_VOCAB=1 LOSSLESS=0 LEVELS=1,2,16,64 LOAD_TIMEOUT=250 bash bench/lease/compare_drafter.sh ;;
 4)  . bench/device_env.sh /root/parts
     D=/root/work/drafter
     DFLASH=$D TAG=new LOSSLESS_CONFIGS=ar,dflash-b16k4,dflash-b8k2 timeout 500 bash bench/speculation.sh $OUT lossless

@@ -18,20 +18,6 @@ case ${CALL:?} in
 2)  from=""
     [ -f .carry/corpus8/corpus-000.npz ] && from=.carry/corpus8
     CORPUS_FROM=$from LR=${LR:-3e-4} TRAIN=${TRAIN:-6} bash bench/lease/train_drafter.sh ;;
-3)  . bench/device_env.sh /root/parts
-    D=/root/work/drafter
-    for d in builtin new; do
-        dl=() sc=""
-        [ $d = new ] && dl=(--dflash $D) sc=ar,dflash-b16k4
-        timeout 150 python3 -m ddserve.bench.engine_cpu --device cuda --prompt-set heldout:16 --max-tokens 128 \
-            --configs ar,dflash-b16k4,dflash-b8k2,dflash-b32k4 --sampled-configs "$sc" "${dl[@]}" --no-server \
-            --name c1-$d --out $OUT 2>&1 | grep -v Warning | tail -8
-        echo "c1-$d: ${SECONDS}s"
-    done
-    DFLASH=$D TAG=new LOSSLESS_CONFIGS=ar,dflash-b16k4,dflash-b8k2 timeout 150 bash bench/speculation.sh $OUT lossless
-    DFLASH=$D TAG=new LEVELS=1,2 CONFIGS=ar,dflash-b16k4,dflash-b16k4@adaptive \
-        timeout 200 bash bench/speculation.sh $OUT load
-    rm -f $OUT/*.png
-    ;;
+3) bash bench/lease/compare_drafter.sh ;;
 esac
 echo "call $CALL done at ${SECONDS}s"
