@@ -79,9 +79,13 @@ def load_on(model: str, device: str, prompts: str):
     device = device if device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     lm = load_model(model, device, dtype)
+    return lm, chat_ids(lm.tokenizer, prompt_set(prompts)), machine_name(device)
+
+
+def machine_name(device: str) -> str:
+    """The machine in words, for a result's `machine` field."""
     dev = torch.cuda.get_device_name() if device == "cuda" else f"{os.cpu_count()} cores"
-    machine = f"{platform.machine()} {dev}, torch {torch.__version__}"
-    return lm, chat_ids(lm.tokenizer, prompt_set(prompts)), machine
+    return f"{platform.machine()} {dev}, torch {torch.__version__}"
 
 
 def prompt_set(name: str) -> list[str]:

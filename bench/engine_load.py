@@ -29,14 +29,13 @@ import asyncio
 import gc
 import json
 import os
-import platform
 import sys
 import time
 from pathlib import Path
 
 import torch
 
-from ddserve.bench.engine_cpu import REGISTRY, load_on, prompt_set
+from ddserve.bench.engine_cpu import REGISTRY, load_on, machine_name, prompt_set
 from ddserve.bench.load import RequestResult, closed_loop
 from ddserve.bench.prompts import chat_ids
 from ddserve.config.engine import EngineConfig
@@ -221,10 +220,7 @@ def main() -> None:
         # VM (libgomp throttles its spin-waits when its thread teams outnumber the cores: a
         # tiny model's token took 4.9 ms in the runner's worker after a load here, 1.9 ms
         # with the load there too); the server's engine loads in its worker the same way
-        lm, machine = (
-            None,
-            f"{platform.machine()} {os.cpu_count()} cores, torch {torch.__version__}",
-        )
+        lm, machine = None, machine_name(device)
         prompts = chat_ids(load_tokenizer(a.model), prompt_set(a.prompt_set))
         dtype = str(torch.float32)
     else:

@@ -66,10 +66,10 @@ def parse_scoring(spec: str):
 def answers(lm, drafter, prompts, max_tokens: int, depths: list[int]) -> list:
     """Per prompt (seq, plen, {depth: hidden [A, depth, H]}): the greedy answer and the
     drafter's block outputs at each of its roots, for blocks of each depth (the engine
-    drafts min(its depth, budget, block size) positions, and the block's attention is
-    bidirectional: a shorter block is not a longer one's prefix)."""
+    drafts min(its depth, block size) positions; --cut-blocks: min(depth, budget, block), and
+    the block's attention is bidirectional: a shorter block is not a longer one's prefix)."""
     from ddserve.engine.weights import to_hf
-    from ddserve.training.dflash import block_forward, target_taps
+    from ddserve.training.dflash import answer_hidden
 
     hf = to_hf(lm.model)
     net, dev = drafter.net, lm.model.device
@@ -81,12 +81,8 @@ def answers(lm, drafter, prompts, max_tokens: int, depths: list[int]) -> list:
             x, max_new_tokens=max_tokens, do_sample=False, eos_token_id=eos,
             pad_token_id=eos[0] if eos else 0,
         )[0]  # fmt: skip
-        t = seq[None]
         plen = len(ids)
-        anchors = torch.arange(plen - 1, t.shape[1] - 1, device=dev)[None]
-        taps = target_taps(hf, t, net.c.target_layers)
-        valid = torch.ones_like(anchors) > 0
-        hidden = {d: block_forward(net, lm.model, t, anchors, valid, taps, d)[0][0] for d in depths}
+        hidden = {d: answer_hidden(hf, lm.model, net, seq[None], plen, d) for d in depths}
         out.append((seq.cpu().numpy(), plen, hidden))
     return out
 

@@ -268,10 +268,20 @@ def agreement(args, lm, hf, draft: DFlashModel, seqs) -> tuple[list[float], int]
 
 
 @torch.inference_mode()
-def answer_tops(args, lm, hf, draft: DFlashModel, seqs, k: int, vocab=None) -> list[tuple]:
+def answer_hidden(hf, target, draft: DFlashModel, ids: torch.Tensor, plen: int, depth: int = 0):
+    """The drafter's block outputs [A, L, H] at every root of one sequence's answer (ids
+    [1, T]: a prompt of `plen` tokens + answer; roots plen - 1 .. T - 2), teacher-forced on
+    the target's tapped layers: what the engine's drafter sees there (training/tree_sim.py)."""
+    anchors = torch.arange(plen - 1, ids.shape[1] - 1, device=ids.device)[None]
+    taps = target_taps(hf, ids, draft.c.target_layers)
+    hidden, _ = block_forward(draft, target, ids, anchors, anchors >= 0, taps, depth)
+    return hidden[0]
+
+
+def answer_tops(lm, hf, draft: DFlashModel, seqs, k: int, vocab=None) -> list[tuple]:
     """(seq, plen, top-k log-probs, ids) per sequence at every root of its answer, for the
     simulated rounds of training/tree_sim.py (over the LM head's `vocab` rows, or all)."""
-    dev, c = lm.model.device, draft.c
+    dev = lm.model.device
     head = lm.model.lm_head.weight
     if vocab is not None:
         vocab = vocab.to(dev)
@@ -281,14 +291,9 @@ def answer_tops(args, lm, hf, draft: DFlashModel, seqs, k: int, vocab=None) -> l
         s = np.asarray(s)[:EVAL_LEN]
         if len(s) < plen + 1:
             continue
-        ids = torch.as_tensor(s, device=dev)[None]
-        anchors = torch.arange(plen - 1, len(s) - 1, device=dev)[None]
-        taps = target_taps(hf, ids, c.target_layers)
         with _autocast(dev):
-            hidden, _ = block_forward(
-                draft, lm.model, ids, anchors, torch.ones_like(anchors) > 0, taps
-            )
-        lp, top = tree_sim.root_tops(hidden[0], head, k, vocab)
+            hidden = answer_hidden(hf, lm.model, draft, torch.as_tensor(s, device=dev)[None], plen)
+        lp, top = tree_sim.root_tops(hidden, head, k, vocab)
         out.append((s, plen, lp, top))
     return out
 
@@ -332,7 +337,7 @@ def stage_eval(args, lm, draft: DFlashModel, work: Path, corpus: Corpus | None =
         tops = (
             []
             if name == "legacy"
-            else answer_tops(args, lm, hf, draft, [held.sequence(i) for i in idx], 4, vocab)
+            else answer_tops(lm, hf, draft, [held.sequence(i) for i in idx], 4, vocab)
         )
         if tops:  # greedy rounds of the engine's trees over these answers (tree_sim)
             res["heldout"][name]["tree_tau"] = {

@@ -32,7 +32,7 @@ class Drafting:
 
     def draft(self, seq: Sequence, params: LiveParams) -> torch.Tensor | None:
         """Per-depth log-probs [L, V] from a drafter that drafts on its own (not DFlash)."""
-        depth = min(self.depth, params.budget)
+        depth = self.block_depth(params.budget)
         if depth <= 0:
             return None
         return self.drafter.draft(seq.draft_state, DraftContext(seq.tokens, params.window), depth)
