@@ -3,7 +3,8 @@ time per launch for every launch-parameter set of a grid, at the row counts of d
 verify, next to torch's compiled layer; the best set per (kernel, row block) is what
 layer_triton.DEFAULTS should hold.
 
-    python -m ddserve.bench.layer_kernels [--rows 1,16,32,64] [--layers 30] [--name layer_kernels]
+    python -m ddserve.bench.layer_kernels [--rows 1,16,32,64] [--layers 30] [--grids tc,gemv]
+        [--kernels qkv,gate_up,o,down,attn] [--name layer_kernels]
 
 Every timing is a CUDA graph of one launch per layer, each layer its own weights (SmolLM2's
 shapes, random, bf16), so weights stream from memory as in a real step rather than sit in
@@ -39,6 +40,35 @@ GRID = {
     # attention (ddserve.engine.attention_triton.launch): bn = key splits, bk = BLOCK_N
     "attn": dict(bn=[1, 2, 4], bk=[32, 64], warps=[4], stages=[1]),
 }
+# GEMV sets (block_n < 16: CUDA-core products, a program's rows the forward's): narrow column
+# blocks, so a 1-row forward has ~100-400 programs where tensor-core tiles give it 15-48;
+# block_k past the input width is one K step (the row's whole input in one load)
+GEMV_GRID = {
+    "qkv": dict(bn=[2, 4, 8], bk=[128, 1024], warps=[2, 4], stages=[1, 3]),
+    "gate_up": dict(bn=[4, 8], bk=[128, 1024], warps=[2, 4], stages=[1, 3]),
+    "o": dict(bn=[4, 8], bk=[128, 1024], warps=[2, 4], stages=[1, 3]),
+    "down": dict(bn=[4, 8], bk=[256, 2048], warps=[2, 4], stages=[1, 3]),
+}
+GEMV_MAX_ELEMENTS = 16384  # rows x block_n x block_k of a program's product, in registers
+
+
+def grid_sets(name: str, rows: int, grids: str):
+    """The (bn, bk, warps, stages) sets to time for kernel `name` at `rows` rows: the
+    tensor-core grid where `grids` has "tc" (else only the layer kernels' default sets), and
+    the GEMV grid where it has "gemv" (sets whose product tile would not fit in registers left out, as are
+    num_stages > 1 where one K step covers the input)."""
+    sets = []
+    if "tc" in grids:
+        sets += list(itertools.product(*GRID[name].values()))
+    elif name != "attn":
+        sets.append(lt.launch_params(name, rows))  # the defaults, beside the others
+    if "gemv" in grids and name in GEMV_GRID:
+        k = SMOLLM2.intermediate_size if name == "down" else SMOLLM2.hidden_size
+        bm = min(lt.rows_key(rows), 16)
+        for bn, bk, warps, stages in itertools.product(*GEMV_GRID[name].values()):
+            if bm * bn * bk <= GEMV_MAX_ELEMENTS and not (stages > 1 and bk >= k):
+                sets.append((bn, bk, warps, stages))
+    return sets
 
 
 def graph_ms(fn, reps: int = 20) -> float:
@@ -144,6 +174,13 @@ def main() -> int:
     ap.add_argument("--name", default="layer_kernels")
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--verbose", action="store_true", help="every timing, not only the best")
+    ap.add_argument(
+        "--grids",
+        default="tc",
+        help="comma list: tc (the tensor-core grid, attention's too; without it each layer "
+        "kernel's default set only), gemv (the GEMV grid)",
+    )
+    ap.add_argument("--kernels", default="qkv,gate_up,o,down,attn")
     a = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("ddserve.bench.layer_kernels times GPU kernels: it needs a GPU")
@@ -156,14 +193,14 @@ def main() -> int:
     }
     compiled = compile_layer_step()
     for rows in (int(r) for r in a.rows.split(",")):
-        bm = lt._block_m(rows)
+        bm = lt.rows_key(rows)  # the row class TUNE's entries are keyed by
         L = Layers(a.layers, rows)
         res = result["rows"][rows] = {"block_m": bm, "kernels": {}}
         best = {}
-        for name, grid in GRID.items():
+        for name in a.kernels.split(","):
             timings = []
-            for bn, bk, warps, stages in itertools.product(*grid.values()):
-                if bm == 64 and bk > 256:  # the x tile would not fit in registers
+            for bn, bk, warps, stages in grid_sets(name, rows, a.grids):
+                if rows > 32 and bn >= 16 and bk > 256:  # the x tile would not fit in registers
                     continue
                 params = (bn, bk, warps, stages)
                 if name != "attn":  # a layer kernel: read from TUNE at launch

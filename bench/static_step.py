@@ -9,7 +9,9 @@ For each mode (eager: no graph; graph: CUDA graph of the eager kernels; compile:
 of the torch.compile'd layers; fused: CUDA graph of the fused triton layers of
 ddserve.engine.layer_triton, compiled layers above its row limit; fused-nopdl: the same
 without programmatic dependent launch; fused-plain: without it and the L2 prefetches;
-fused-overlap: with both, whatever the engine's default, layer_triton.OVERLAP_AUTO) and
+fused-overlap: with both, whatever the engine's default, layer_triton.OVERLAP_AUTO; a mode
+named MODE+tuned runs MODE with --fused-tune's launch parameters, the others then without
+them, side by side) and
 (B, W): the GPU time of one step (CUDA events over 50
 replays), the full call as the engine makes it (pack inputs, copy, replay, read argmax back),
 the kernels one step launches (profiler, eager/compiled run), and the floor: weights + the
@@ -171,7 +173,11 @@ def main() -> None:
     contexts = [int(x) for x in a.context.split(",")]
     prefills = [int(x) for x in a.prefill.split(",") if x]
     longest = max(contexts + prefills) + max(widths)
-    for mode in a.modes.split(","):
+    modes = a.modes.split(",")
+    any_tuned = any(m.endswith("+tuned") for m in modes)
+    max_rows = None
+    for spec in modes:
+        mode = spec.removesuffix("+tuned")
         fused = mode.startswith("fused")
         layer_fn = compile_layer_step() if mode == "compile" or fused else layer_step
         if fused:
@@ -184,7 +190,12 @@ def main() -> None:
             layer_triton.PDL = False if mode in ("fused-nopdl", "fused-plain") else on
             layer_triton.PREFETCH = False if mode == "fused-plain" else on
 
-            if a.fused_tune:  # the best launch parameters of a bench.layer_kernels run
+            # the best launch parameters of a bench.layer_kernels run: for modes named
+            # MODE+tuned where there are any (beside the defaults, in one run), else for all
+            max_rows = layer_triton.FUSED_MAX_ROWS if max_rows is None else max_rows
+            layer_triton.TUNE.clear()
+            layer_triton.FUSED_MAX_ROWS = max_rows
+            if a.fused_tune and (spec.endswith("+tuned") or not any_tuned):
                 from ddserve.bench.tuned import apply_tune
 
                 result["fused_tune"] = apply_tune(a.fused_tune)
@@ -197,12 +208,12 @@ def main() -> None:
                 ctx = st.ctx_bucket(length + max(widths))
                 for b in batches:
                     for w in widths:
-                        row = measure(st, mode, b, w, ctx, length)
+                        row = measure(st, spec, b, w, ctx, length)
                         floor = (weight_bytes + b * (length + w) * kv_bytes_per_entry) / bw * 1e3
                         row.update(attention=attn, context=length, floor_ms=round(floor, 4))
                         result["rows"].append(row)
                         print(
-                            f"{mode:8s} {attn:6s} ctx={length:<5d} B={b:<3d} W={w:<3d} gpu "
+                            f"{spec:8s} {attn:6s} ctx={length:<5d} B={b:<3d} W={w:<3d} gpu "
                             f"{row['step_gpu_ms']:.3f} ms  call {row['step_call_ms']:.3f} ms  "
                             f"kernels {row['kernels_per_step']}  floor {floor:.3f} ms  "
                             f"first {row['first_call_s']} s",

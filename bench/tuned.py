@@ -19,7 +19,8 @@ from ddserve.engine import layer_triton as lt
 
 def apply_tune(paths: str) -> dict:
     """The best launch parameters of bench.layer_kernels runs (their JSONs, a comma list)
-    into layer_triton.TUNE, per row block (of several row counts in one block, the fewest rows'),
+    into layer_triton.TUNE, per row class (`block_m`: runs before 2026-12-06 recorded the
+    tile block there; of several row counts in one class, the fewest rows'),
     and layer_triton.FUSED_MAX_ROWS raised to the most rows at which their fused layer beat
     the compiled one with every fewer measured row count also won (row counts between two
     measured ones are taken to behave as the larger; the limit is never lowered). Returns

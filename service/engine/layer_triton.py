@@ -72,10 +72,17 @@ def _rows(Wt, n, n_ok, sw, k, K):
 
 
 @triton.jit
-def _dot(a, b, IEEE: tl.constexpr):
+def _mac(a, w, IEEE: tl.constexpr, GEMV: tl.constexpr):
+    """a [BM, BK] @ w [BN, BK]^T in fp32: tl.dot (tensor cores in bf16, IEEE fp32 in fp32;
+    BM, BN >= 16), or, GEMV, products summed on the CUDA cores, for blocks of a few rows and
+    columns: narrow column blocks give a 1-row forward many programs where tensor-core tiles
+    of 16 columns leave most SMs idle (SmolLM2's qkv: 15 programs on 132 SMs). bf16 products
+    are exact in fp32 either way, so the two differ only in summation order."""
+    if GEMV:
+        return tl.sum(a.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], 2)
     if IEEE:
-        return tl.dot(a, b, input_precision="ieee")
-    return tl.dot(a, b)
+        return tl.dot(a, tl.trans(w), input_precision="ieee")
+    return tl.dot(a, tl.trans(w))
 
 
 @triton.jit
@@ -83,7 +90,7 @@ def _qkv_rope(
     X, NW, Wqkv, Bias, Cos, Sin, Q, KC, VC, Rows, Wpos,
     M, H, W, NH, KVH, eps,
     sx, sw, sc, sq_n, sq_h, sk_s, sk_h, sk_l,
-    HD: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr,
+    HD: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, GEMV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     PREFETCH: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
@@ -116,8 +123,8 @@ def _qkv_rope(
         k = k0 + tl.arange(0, BLOCK_K)
         h, sq = _x_chunk(X, sx, NW, m, m_ok, k, H)
         ss += sq
-        lo += _dot(h, tl.trans(_rows(Wqkv, col, all_n, sw, k, H)), IEEE)
-        hi += _dot(h, tl.trans(_rows(Wqkv, col + HALF, all_n, sw, k, H)), IEEE)
+        lo += _mac(h, _rows(Wqkv, col, all_n, sw, k, H), IEEE, GEMV)
+        hi += _mac(h, _rows(Wqkv, col + HALF, all_n, sw, k, H), IEEE, GEMV)
     rstd = (1.0 / tl.sqrt(ss / H + eps))[:, None]
     lo = lo * rstd
     hi = hi * rstd
@@ -157,8 +164,8 @@ def _qkv_rope(
 @triton.jit
 def _gate_up(
     X, NW, Wgu, Out, M, H, INTER, eps, sx, sw, so,
-    IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    PREFETCH: tl.constexpr, PDL: tl.constexpr,
+    IEEE: tl.constexpr, GEMV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -180,8 +187,8 @@ def _gate_up(
         k = k0 + tl.arange(0, BLOCK_K)
         h, sq = _x_chunk(X, sx, NW, m, m_ok, k, H)
         ss += sq
-        g += _dot(h, tl.trans(_rows(Wgu, n, n_ok, sw, k, H)), IEEE)
-        u += _dot(h, tl.trans(_rows(Wgu, n + INTER, n_ok, sw, k, H)), IEEE)
+        g += _mac(h, _rows(Wgu, n, n_ok, sw, k, H), IEEE, GEMV)
+        u += _mac(h, _rows(Wgu, n + INTER, n_ok, sw, k, H), IEEE, GEMV)
     rstd = (1.0 / tl.sqrt(ss / H + eps))[:, None]
     g = g * rstd
     u = u * rstd
@@ -194,8 +201,8 @@ def _gate_up(
 @triton.jit
 def _matmul_add(
     A, Wt, R, Out, M, N, K, sa, sw, sr, so,
-    IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    PREFETCH: tl.constexpr, PDL: tl.constexpr,
+    IEEE: tl.constexpr, GEMV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """Out = R + A @ Wt^T  (A [M, K], Wt [N, K], R/Out [M, N])."""
     pid_n = tl.program_id(0)
@@ -213,19 +220,31 @@ def _matmul_add(
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
-        acc += _dot(_rows(A, m, m_ok, sa, k, K), tl.trans(_rows(Wt, n, n_ok, sw, k, K)), IEEE)
+        acc += _mac(_rows(A, m, m_ok, sa, k, K), _rows(Wt, n, n_ok, sw, k, K), IEEE, GEMV)
     dt = Out.dtype.element_ty
     tl.store(Out + m[:, None] * so + n[None, :], (r + acc.to(dt)).to(dt), mask=ok)
 
 
-def _block_m(m: int) -> int:
+def rows_key(m: int) -> int:
+    """The row class a forward of m rows takes its launch parameters from: m rounded up to
+    a power of two (1, 2, 4, ..., 64)."""
+    return min(triton.next_power_of_2(m), 64)
+
+
+def _block_m(m: int, block_n: int) -> int:
+    """Rows a program takes: tensor-core tiles take 16, 32 or 64; GEMV blocks (block_n < 16)
+    the forward's rows up to 16 (a 1-row forward computes no padding rows)."""
+    if block_n < 16:
+        return min(rows_key(m), 16)
     return 16 if m <= 16 else (32 if m <= 32 else 64)
 
 
-# Launch parameters per kernel and row block: (block_n, block_k, num_warps, num_stages);
-# qkv's block_n is the rotary columns per half a program takes (0: the whole half).
+# Launch parameters per kernel and row class: (block_n, block_k, num_warps, num_stages);
+# qkv's block_n is the rotary columns per half a program takes (0: the whole half); a
+# block_n under 16 multiplies on the CUDA cores (GEMV in _mac), 16 and over on tensor cores.
 # Measured per kernel on the H200 with `python -m ddserve.bench.layer_kernels` (SmolLM2's
-# shapes); TUNE overrides (benchmarks).
+# shapes); TUNE overrides (benchmarks). A row class without an entry takes its tile class's
+# (16: up to 16 rows, 64: more).
 DEFAULTS = {  # 16 rows: with PDL and the L2 prefetches (results/pdl-h200/lk1.json)
     ("qkv", 16): (0, 256, 8, 1),
     ("gate_up", 16): (32, 256, 4, 1),
@@ -265,12 +284,19 @@ OVERLAP_MAX_CTX = 512
 OVERLAP_MAX_BATCH = 4
 
 
-def launch_params(kernel: str, bm: int) -> tuple[int, int, int, int]:
-    """(block_n, block_k, num_warps, num_stages) of `kernel` at row block `bm`: TUNE's, else
-    the measured default of that block (32 rows: the 64-row block's)."""
-    if (kernel, bm) in TUNE:
-        return TUNE[(kernel, bm)]
-    return DEFAULTS[(kernel, 16 if bm <= 16 else 64)]
+def launch_params(kernel: str, m: int) -> tuple[int, int, int, int]:
+    """(block_n, block_k, num_warps, num_stages) of `kernel` for a forward of m rows: TUNE's
+    for its row class or, without one, the next larger class it has up to the tile class (16
+    or 64 rows); else DEFAULTS' the same way."""
+    key = rows_key(m)
+    tile = 16 if key <= 16 else 64
+    for table in (TUNE, DEFAULTS):
+        k = key
+        while k <= tile:
+            if (kernel, k) in table:
+                return table[(kernel, k)]
+            k *= 2
+    raise KeyError(f"no launch parameters for {kernel} at {m} rows")
 
 
 def pdl_on(device: torch.device, ctx: int = 0, batch: int = 1) -> bool:
@@ -314,9 +340,9 @@ def qkv_rope(block, x, cos, sin, kc, vc, rows, wpos, ctx: int = 0, batch: int = 
     m, h = x.shape
     nh, kvh, hd = c.num_heads, c.num_kv_heads, c.head_dim
     q = torch.empty(m, nh, hd, device=x.device, dtype=x.dtype)
-    bm = _block_m(m)
-    bn, bk, warps, stages = launch_params("qkv", bm)
+    bn, bk, warps, stages = launch_params("qkv", m)
     bn = min(bn or hd // 2, hd // 2)
+    bm = _block_m(m, bn)
     w = block.qkv_weight
     bias = block.qkv_bias
     assert kc.stride() == vc.stride() and kc.stride(3) == 1, "K and V pools share one layout"
@@ -327,7 +353,7 @@ def qkv_rope(block, x, cos, sin, kc, vc, rows, wpos, ctx: int = 0, batch: int = 
         m, h, wpos.shape[1], nh, kvh, norm.eps,
         x.stride(0), w.stride(0), cos.stride(0), q.stride(0), q.stride(1),
         kc.stride(0), kc.stride(1), kc.stride(2),
-        HD=hd, HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32,
+        HD=hd, HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32, GEMV=bn < 16,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, PREFETCH=_prefetch_bytes(w, ctx, batch),
         num_warps=warps, num_stages=stages, pdl=pdl_on(x.device, ctx, batch),
     )  # fmt: skip
@@ -340,13 +366,13 @@ def gate_up(block, x, ctx: int = 0, batch: int = 1) -> torch.Tensor:
     w = block.gate_up_weight
     inter = w.shape[0] // 2
     out = torch.empty(m, inter, device=x.device, dtype=x.dtype)
-    bm = _block_m(m)
-    bn, bk, warps, stages = launch_params("gate_up", bm)
+    bn, bk, warps, stages = launch_params("gate_up", m)
+    bm = _block_m(m, bn)
     norm = block.post_attention_layernorm
     _launch(
         _gate_up, (triton.cdiv(inter, bn), triton.cdiv(m, bm)),
         x, norm.weight, w, out, m, h, inter, norm.eps, x.stride(0), w.stride(0), out.stride(0),
-        IEEE=x.dtype == torch.float32, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+        IEEE=x.dtype == torch.float32, GEMV=bn < 16, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
         PREFETCH=_prefetch_bytes(w, ctx, batch), num_warps=warps, num_stages=stages,
         pdl=pdl_on(x.device, ctx, batch),
     )  # fmt: skip
@@ -358,12 +384,12 @@ def matmul_add(a, w, r, kernel: str, ctx: int = 0, batch: int = 1) -> torch.Tens
     m, k = a.shape
     n = w.shape[0]
     out = torch.empty(m, n, device=a.device, dtype=a.dtype)
-    bm = _block_m(m)
-    bn, bk, warps, stages = launch_params(kernel, bm)
+    bn, bk, warps, stages = launch_params(kernel, m)
+    bm = _block_m(m, bn)
     _launch(
         _matmul_add, (triton.cdiv(n, bn), triton.cdiv(m, bm)),
         a, w, r, out, m, n, k, a.stride(0), w.stride(0), r.stride(0), out.stride(0),
-        IEEE=a.dtype == torch.float32, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+        IEEE=a.dtype == torch.float32, GEMV=bn < 16, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
         PREFETCH=_prefetch_bytes(w, ctx, batch), num_warps=warps, num_stages=stages,
         pdl=pdl_on(a.device, ctx, batch),
     )  # fmt: skip

@@ -63,7 +63,19 @@ def random_block(bias: bool, dtype, seed: int, head_dim: int = 32) -> Block:
 # launch-parameter sets: the defaults, and qkv's rotary halves in column blocks of 16
 # (head_dim 64: two blocks a half) with one-step K loops (block_k past the input width)
 BLOCKS = {(k, bm): (16, 256, 4, 1) for k in ("qkv", "gate_up", "o", "down") for bm in (16, 64)}
-VARIANTS = {"defaults": ({}, 32), "blocks": (BLOCKS, 32), "blocks-hd64": (BLOCKS, 64)}
+# GEMV sets (block_n < 16: products summed on the CUDA cores, a program's rows the forward's
+# up to 16): narrow column blocks with a K loop and masked K edges (block_k 64 over 96 and 160
+# inputs), and wider ones in one K step; every row class, so 18 and 65 rows take several
+# 16-row blocks
+GEMV = {(k, c): (4, 64, 4, 3) for k in ("qkv", "gate_up", "o", "down") for c in (16, 64)}
+GEMV_ONE_STEP = {(k, c): (2 if k == "qkv" else 8, 256, 2, 1) for k, c in GEMV}
+VARIANTS = {
+    "defaults": ({}, 32),
+    "blocks": (BLOCKS, 32),
+    "blocks-hd64": (BLOCKS, 64),
+    "gemv": (GEMV, 32),
+    "gemv-one-step-hd64": (GEMV_ONE_STEP, 64),
+}
 
 
 @pytest.fixture(params=list(VARIANTS))
@@ -110,11 +122,14 @@ def test_fused_layer_equals_reference(b, w, mode, bias, dtype, variant):
         assert (ref - mine).abs().max().item() < tol
 
 
+@pytest.mark.parametrize("sets", ["defaults", "gemv"])
 @pytest.mark.parametrize("drafter", ["none", "dflash"])
-def test_engine_on_fused_layers_decodes_like_the_reference(drafter):
+def test_engine_on_fused_layers_decodes_like_the_reference(drafter, sets, monkeypatch):
     """Static engines with and without the fused layers, same model (fp32): the same greedy
     tokens and accept lengths, prompts prefilled through torch (wide) then decoded in one
-    batch, a late joiner included; the DFlash drafter's layers stay torch's."""
+    batch, a late joiner included; the DFlash drafter's layers stay torch's. With the
+    default launch parameters and with the GEMV sets."""
+    monkeypatch.setattr(layer_triton, "TUNE", dict(GEMV) if sets == "gemv" else {})
     model = random_llama(LlamaConfig(**CFG), seed=3).to(DEV)
     params = LiveParams(budget=6, topk=2, window=8)
     draft = random_dflash(model) if drafter == "dflash" else None
@@ -226,14 +241,13 @@ def pdl_chain_replays(
     not CUDA or torch.cuda.get_device_capability()[0] < 9,
     reason="programmatic dependent launch needs a Hopper-or-later GPU",
 )
-@pytest.mark.parametrize("tuned", [False, True], ids=["defaults", "blocks"])
-def test_pdl_chain_equals_serial_launches(tuned):
+@pytest.mark.parametrize("sets", ["defaults", "blocks", "gemv"])
+def test_pdl_chain_equals_serial_launches(sets):
     """The chain of `pdl_chain_replays` with programmatic dependent launch and L2
     prefetches and without either: the same bits in the output and in every pool after each
     of 20 replays, so a kernel that read before its predecessors' writes were visible would
     differ."""
-    if tuned:
-        layer_triton.TUNE.update(BLOCKS)
+    layer_triton.TUNE.update({"defaults": {}, "blocks": BLOCKS, "gemv": GEMV}[sets])
     try:
         results = {overlap: pdl_chain_replays(overlap, overlap) for overlap in (False, True)}
     finally:
