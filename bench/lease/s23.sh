@@ -3,14 +3,15 @@
 # back. `CALL=N bash bench/lease/s23.sh`:
 #   0  carry .whl .carry/q1   GPU tests of the fused layers (the GEMV sets in every test: the
 #                             layer against the reference fp32/bf16, fp32 greedy decode, the
-#                             PDL chain's bits); then `layer_kernels --grids gemv` at 1/4/16
-#                             rows: each kernel's default set against the GEMV grid, whole
-#                             layers compiled / defaults / best -> $OUT/lk-gemv.json
+#                             PDL chain's bits); then `layer_kernels --grids gemv` at 1/4/16/32
+#                             rows (b16k4 verifies its 17 nodes in a width of 32): each
+#                             kernel's default set against the GEMV grid, whole layers
+#                             compiled / defaults / best -> $OUT/lk-gemv.json
 #   1  carry .carry/q2b       verify steps (`static_step`, random SmolLM2, triton attention, 256
 #                             keys): compile / fused (defaults) / fused+tuned (LK: the JSON of
-#                             call 0, copied into the tree) at B=1/4/16 x W=1/4/8/16/17
+#                             call 0, copied into the tree) at B=1/4/16 x W=1/4/8/16/32
 #   2  carry .carry/q3b       C=1 greedy through the engine (16 held-out prompts, 128 tokens,
-#                             bf16): AR, b16k4, b8k2 with the defaults, then tuned (fp32 greedy
+#                             bf16): AR, b16k4, b8k2, b15k4 with the defaults, then tuned (fp32 greedy
 #                             with the GEMV sets: call 0's engine test; the engine runs fp32
 #                             on torch's layers)
 LK=${LK:-bench/results/kernels-gemv/lk-gemv.json}
@@ -22,12 +23,12 @@ case ${CALL:?} in
     timeout 240 python3 -m pytest -q -p no:cacheprovider tests/engine/test_layer_triton.py 2>&1 |
         tail -15 | tee $OUT/gpu_tests.txt
     echo "tests: ${SECONDS}s"
-    timeout 330 python3 -m ddserve.bench.layer_kernels --rows 1,4,16 --grids gemv \
+    timeout 330 python3 -m ddserve.bench.layer_kernels --rows 1,4,16,32 --grids gemv \
         --kernels qkv,gate_up,o,down --name lk-gemv --out $OUT 2>&1 | grep -v Warning | tail -20
     ;;
 1)
     timeout 500 python3 -m ddserve.bench.static_step --model random-smollm2 --attention triton \
-        --modes compile,fused,fused+tuned --fused-tune $LK --batches 1,4,16 --widths 1,4,8,16,17 \
+        --modes compile,fused,fused+tuned --fused-tune $LK --batches 1,4,16 --widths 1,4,8,16,32 \
         --context 256 --name steps-gemv --out $OUT 2>&1 | grep -v Warning | tail -50
     ;;
 2)
@@ -37,7 +38,7 @@ case ${CALL:?} in
         [ $t = tuned ] && pre=(-m ddserve.bench.tuned $LK ddserve.bench.engine_cpu)
         [ $t = defaults ] && pre=(-m ddserve.bench.engine_cpu)
         timeout 150 python3 "${pre[@]}" --device cuda --prompt-set heldout:16 --max-tokens 128 \
-            --configs ar,dflash-b16k4,dflash-b8k2 --sampled-configs "" --no-server \
+            --configs ar,dflash-b16k4,dflash-b8k2,dflash-b15k4 --sampled-configs "" --no-server \
             --name c1-$t --out $OUT 2>&1 | grep -v Warning | tail -8
         echo "c1-$t: ${SECONDS}s"
     done
