@@ -1,7 +1,7 @@
 """The fused layer kernels (ddserve.engine.layer_triton) one by one, on the GPU: each kernel's
 time per launch for every launch-parameter set of a grid, at the row counts of decode and
 verify, next to torch's compiled layer; the best set per (kernel, row block) is what
-layer_triton.DEFAULTS should hold.
+layer_launch.DEFAULTS should hold.
 
     python -m ddserve.bench.layer_kernels [--rows 1,16,32,64] [--layers 30] [--grids tc,gemv]
         [--kernels qkv,gate_up,o,down,attn] [--name layer_kernels]
@@ -10,7 +10,7 @@ Every timing is a CUDA graph of one launch per layer, each layer its own weights
 shapes, random, bf16), so weights stream from memory as in a real step rather than sit in
 L2; replayed 20 times, per launch. Then whole layers (qkv + attention + o + gate/up + down)
 with the defaults and with the best sets, against the torch.compile'd reference layer, and
-the best sets once more without programmatic dependent launch (layer_triton.PDL), then
+the best sets once more without programmatic dependent launch (layer_launch.PDL), then
 also without the L2 prefetches (PREFETCH), side by side. Writes NAME.json under --out.
 """
 
@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from ddserve.bench.static_step import SMOLLM2
+from ddserve.engine import layer_launch as ll
 from ddserve.engine import layer_triton as lt
 from ddserve.engine.attention import TREE, plan
 from ddserve.engine.llama import Block, Rotary
@@ -61,10 +62,10 @@ def grid_sets(name: str, rows: int, grids: str):
     if "tc" in grids:
         sets += list(itertools.product(*GRID[name].values()))
     elif name != "attn":
-        sets.append(lt.launch_params(name, rows))  # the defaults, beside the others
+        sets.append(ll.launch_params(name, rows))  # the defaults, beside the others
     if "gemv" in grids and name in GEMV_GRID:
         k = SMOLLM2.intermediate_size if name == "down" else SMOLLM2.hidden_size
-        bm = min(lt.rows_key(rows), 16)
+        bm = min(ll.rows_key(rows), 16)
         for bn, bk, warps, stages in itertools.product(*GEMV_GRID[name].values()):
             if bm * bn * bk <= GEMV_MAX_ELEMENTS and not (stages > 1 and bk >= k):
                 sets.append((bn, bk, warps, stages))
@@ -124,7 +125,7 @@ class Layers:
 
     def kernel(self, name: str, params: tuple[int, int, int, int]):
         """One launch per layer of `name`. The layer kernels read their launch parameters
-        from layer_triton.TUNE (main sets them); attention takes `params` = (key splits,
+        from layer_launch.TUNE (main sets them); attention takes `params` = (key splits,
         BLOCK_N, warps, stages) directly."""
 
         def qkv():
@@ -151,7 +152,7 @@ class Layers:
                 a = self.attn
                 launch(
                     self.q, kc, vc, self.rows, a.past, a.tree, None, 1, TREE, 512, splits,
-                    pdl=lt.pdl_on(self.q.device), prefetch=lt.prefetch_on(self.q.device),
+                    pdl=ll.pdl_on(self.q.device), prefetch=ll.prefetch_on(self.q.device),
                     block_n=bn, num_warps=warps, num_stages=stages,
                 )  # fmt: skip
 
@@ -181,19 +182,20 @@ def main() -> int:
         "kernel's default set only), gemv (the GEMV grid)",
     )
     ap.add_argument("--kernels", default="qkv,gate_up,o,down,attn")
+
     a = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("ddserve.bench.layer_kernels times GPU kernels: it needs a GPU")
     result = {
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,
-        "pdl": lt.pdl_on(torch.device("cuda")),  # and the prefetches, as the engine runs
+        "pdl": ll.pdl_on(torch.device("cuda")),  # and the prefetches, as the engine runs
         "command": "python -m ddserve.bench.layer_kernels " + " ".join(sys.argv[1:]),
         "rows": {},
     }
     compiled = compile_layer_step()
     for rows in (int(r) for r in a.rows.split(",")):
-        bm = lt.rows_key(rows)  # the row class TUNE's entries are keyed by
+        bm = ll.rows_key(rows)  # the row class TUNE's entries are keyed by
         L = Layers(a.layers, rows)
         res = result["rows"][rows] = {"block_m": bm, "kernels": {}}
         best = {}
@@ -204,7 +206,7 @@ def main() -> int:
                     continue
                 params = (bn, bk, warps, stages)
                 if name != "attn":  # a layer kernel: read from TUNE at launch
-                    lt.TUNE[(name, bm)] = params
+                    ll.TUNE[(name, bm)] = params
                 t0 = time.perf_counter()
                 try:
                     ms = graph_ms(L.kernel(name, params)) / a.layers * 1e3
@@ -217,7 +219,7 @@ def main() -> int:
                         f"stages {stages}: {ms:6.2f} us  ({time.perf_counter() - t0:.1f} s)",
                         flush=True,
                     )
-            lt.TUNE.pop((name, bm), None)
+            ll.TUNE.pop((name, bm), None)
             timings.sort(key=lambda t: t["us"])
             if not timings:  # no parameter set compiled at this row block
                 continue
@@ -229,16 +231,16 @@ def main() -> int:
         per_layer = {}
         per_layer["compile"] = graph_ms(L.layers(compiled)) / a.layers * 1e3
         per_layer["fused_defaults"] = graph_ms(L.layers(lt.fused_layer_step)) / a.layers * 1e3
-        lt.TUNE.update({(k, bm): v for k, v in best.items() if k != "attn"})
+        ll.TUNE.update({(k, bm): v for k, v in best.items() if k != "attn"})
         per_layer["fused_best"] = graph_ms(L.layers(lt.fused_layer_step)) / a.layers * 1e3
         try:
-            lt.PDL = False  # the same kernels without programmatic dependent launch, then also
+            ll.PDL = False  # the same kernels without programmatic dependent launch, then also
             per_layer["fused_best_nopdl"] = graph_ms(L.layers(lt.fused_layer_step)) / a.layers * 1e3
-            lt.PREFETCH = False  # without the L2 prefetches
+            ll.PREFETCH = False  # without the L2 prefetches
             per_layer["fused_best_plain"] = graph_ms(L.layers(lt.fused_layer_step)) / a.layers * 1e3
         finally:
-            lt.PDL = lt.PREFETCH = None
-        lt.TUNE.clear()
+            ll.PDL = ll.PREFETCH = None
+        ll.TUNE.clear()
         res["best"] = {k: list(v) for k, v in best.items()}
         res["layer_us"] = {k: round(v, 2) for k, v in per_layer.items()}
         print(f"rows {rows}: best {best}; per layer (us) {res['layer_us']}", flush=True)

@@ -9,7 +9,7 @@ For each mode (eager: no graph; graph: CUDA graph of the eager kernels; compile:
 of the torch.compile'd layers; fused: CUDA graph of the fused triton layers of
 ddserve.engine.layer_triton, compiled layers above its row limit; fused-nopdl: the same
 without programmatic dependent launch; fused-plain: without it and the L2 prefetches;
-fused-overlap: with both, whatever the engine's default, layer_triton.OVERLAP_AUTO; a mode
+fused-overlap: with both, whatever the engine's default, layer_launch.OVERLAP_AUTO; a mode
 named MODE+tuned runs MODE with --fused-tune's launch parameters, the others then without
 them, side by side) and
 (B, W): the GPU time of one step (CUDA events over 50
@@ -181,20 +181,20 @@ def main() -> None:
         fused = mode.startswith("fused")
         layer_fn = compile_layer_step() if mode == "compile" or fused else layer_step
         if fused:
-            from ddserve.engine import layer_triton
+            from ddserve.engine import layer_launch, layer_triton
 
             # fused-nopdl: the same kernels without programmatic dependent launch;
             # fused-plain: without it and without the L2 prefetches; fused-overlap: with both
-            # (fused: the engine's choice, layer_triton.OVERLAP_AUTO)
+            # (fused: the engine's choice, layer_launch.OVERLAP_AUTO)
             on = True if mode == "fused-overlap" else None
-            layer_triton.PDL = False if mode in ("fused-nopdl", "fused-plain") else on
-            layer_triton.PREFETCH = False if mode == "fused-plain" else on
+            layer_launch.PDL = False if mode in ("fused-nopdl", "fused-plain") else on
+            layer_launch.PREFETCH = False if mode == "fused-plain" else on
 
             # the best launch parameters of a bench.layer_kernels run: for modes named
             # MODE+tuned where there are any (beside the defaults, in one run), else for all
-            max_rows = layer_triton.FUSED_MAX_ROWS if max_rows is None else max_rows
-            layer_triton.TUNE.clear()
-            layer_triton.FUSED_MAX_ROWS = max_rows
+            max_rows = layer_launch.FUSED_MAX_ROWS if max_rows is None else max_rows
+            layer_launch.TUNE.clear()
+            layer_launch.FUSED_MAX_ROWS = max_rows
             if a.fused_tune and (spec.endswith("+tuned") or not any_tuned):
                 from ddserve.bench.tuned import apply_tune
 

@@ -5,7 +5,7 @@ timings won (apply_tune), in this process, then the module as `-m`.
     python -m ddserve.bench.tuned LAYER_KERNELS_JSON[,JSON...] MODULE [ARGS...]
 
 For a lease that measures the engine with parameters an earlier call of the same lease
-found, before they are written into layer_triton.DEFAULTS."""
+found, before they are written into layer_launch.DEFAULTS."""
 
 from __future__ import annotations
 
@@ -14,14 +14,14 @@ import runpy
 import sys
 from pathlib import Path
 
-from ddserve.engine import layer_triton as lt
+from ddserve.engine import layer_launch as ll
 
 
 def apply_tune(paths: str) -> dict:
     """The best launch parameters of bench.layer_kernels runs (their JSONs, a comma list)
-    into layer_triton.TUNE, per row class (`block_m`: runs before 2026-12-06 recorded the
+    into layer_launch.TUNE, per row class (`block_m`: runs before 2026-12-06 recorded the
     tile block there; of several row counts in one class, the fewest rows'),
-    and layer_triton.FUSED_MAX_ROWS raised to the most rows at which their fused layer beat
+    and layer_launch.FUSED_MAX_ROWS raised to the most rows at which their fused layer beat
     the compiled one with every fewer measured row count also won (row counts between two
     measured ones are taken to behave as the larger; the limit is never lowered). Returns
     what it set."""
@@ -32,13 +32,13 @@ def apply_tune(paths: str) -> dict:
         r = res[rows]
         for k, v in r.get("best", {}).items():
             if k != "attn":  # the attention kernel keeps its own parameters
-                lt.TUNE[(k, r["block_m"])] = tuple(v)
+                ll.TUNE[(k, r["block_m"])] = tuple(v)
     for rows in sorted(res, key=int):
         us = res[rows].get("layer_us", {})
         if not us or us["fused_best"] >= us["compile"]:
             break
-        lt.FUSED_MAX_ROWS = max(lt.FUSED_MAX_ROWS, int(rows))
-    return {"tune": {str(k): v for k, v in lt.TUNE.items()}, "fused_max_rows": lt.FUSED_MAX_ROWS}
+        ll.FUSED_MAX_ROWS = max(ll.FUSED_MAX_ROWS, int(rows))
+    return {"tune": {str(k): v for k, v in ll.TUNE.items()}, "fused_max_rows": ll.FUSED_MAX_ROWS}
 
 
 def main() -> None:

@@ -1,5 +1,5 @@
 """A decoder layer in four triton kernels plus attention, for forwards of few rows (decode
-and verify: B x W <= FUSED_MAX_ROWS). Imported only where triton is.
+and verify: B x W <= layer_launch.FUSED_MAX_ROWS). Imported only where triton is.
 
 At a few rows a layer is bound by kernel launches, not bytes: SmolLM2's layer reads 7 MB of
 weights (~1.7 us at the H200's bandwidth), while torch.compile's version launches ~13
@@ -24,7 +24,7 @@ them (after each projection, RoPE's products and sum, SiLU, gate x up, the resid
 in fp32 the two agree to accumulation order, in bf16 also the norm rounds at another point.
 The reference stays the tests' oracle and the path for wide forwards (prefill chunks).
 
-On Hopper the chain of a step's kernels overlaps (PDL and PREFETCH below): each kernel lets
+On Hopper the chain of a step's kernels overlaps (PDL and PREFETCH: layer_launch): each kernel lets
 the next one launch as it starts; the next one has its weight rows prefetched into L2, then
 waits for its predecessor before it touches an activation, the pool or its outputs. Before
 that wait only weights and the forward's inputs copied in before it started (slots, write
@@ -38,19 +38,15 @@ import torch
 import triton
 import triton.language as tl
 
+from ddserve.engine import layer_launch as launch
 from ddserve.engine.attention import attend
+from ddserve.engine.layer_launch import block_m, launch_params, pdl_on, prefetch_bytes, prefetch_on
 from ddserve.engine.triton_hopper import (
-    bulk_aligned,
-    hopper,
     launch_kwargs,
     launch_next,
     prefetch_l2,
     wait_prev,
 )
-
-# wider forwards go through torch: measured on the H200 (bench/NOTES.md), the fused layer
-# wins up to 16 rows (32.8 vs 34.8 us per layer at 1 row) and ties at 64 (41.8 vs 41.6)
-FUSED_MAX_ROWS = 16
 
 
 @triton.jit
@@ -225,108 +221,6 @@ def _matmul_add(
     tl.store(Out + m[:, None] * so + n[None, :], (r + acc.to(dt)).to(dt), mask=ok)
 
 
-def rows_key(m: int) -> int:
-    """The row class a forward of m rows takes its launch parameters from: m rounded up to
-    a power of two (1, 2, 4, ..., 64)."""
-    return min(triton.next_power_of_2(m), 64)
-
-
-def _block_m(m: int, block_n: int) -> int:
-    """Rows a program takes: tensor-core tiles take 16, 32 or 64; GEMV blocks (block_n < 16)
-    the forward's rows up to 16 (a 1-row forward computes no padding rows)."""
-    if block_n < 16:
-        return min(rows_key(m), 16)
-    return 16 if m <= 16 else (32 if m <= 32 else 64)
-
-
-# Launch parameters per kernel and row class: (block_n, block_k, num_warps, num_stages);
-# qkv's block_n is the rotary columns per half a program takes (0: the whole half); a
-# block_n under 16 multiplies on the CUDA cores (GEMV in _mac), 16 and over on tensor cores.
-# Measured per kernel on the H200 with `python -m ddserve.bench.layer_kernels` (SmolLM2's
-# shapes); TUNE overrides (benchmarks). A row class without an entry takes its tile class's
-# (16: up to 16 rows, 64: more).
-DEFAULTS = {  # 16 rows: with PDL and the L2 prefetches (results/pdl-h200/lk1.json)
-    ("qkv", 16): (0, 256, 8, 1),
-    ("gate_up", 16): (32, 256, 4, 1),
-    ("o", 16): (16, 128, 4, 3),
-    ("down", 16): (16, 512, 4, 3),
-    ("qkv", 64): (0, 256, 8, 1),
-    ("gate_up", 64): (16, 256, 8, 1),
-    ("o", 64): (16, 128, 4, 3),
-    ("down", 64): (16, 256, 4, 3),
-}
-TUNE: dict[tuple[str, int], tuple[int, int, int, int]] = {}
-
-# Hopper and later. PDL, programmatic dependent launch: each kernel lets the next one start
-# as it starts, and the next one waits for it only before it reads activations, so a chain
-# of small kernels overlaps its launches. PREFETCH: a program first has its weight rows
-# prefetched into L2 (all of them at once, before that wait), so its K loop waits on L2,
-# not on memory. None: where they run (CUDA, compute capability >= 9) and pay: forwards in
-# context classes up to OVERLAP_MAX_CTX keys (on the H200, bench/NOTES.md "Eleventh
-# session": a verify step at 256 keys 0.93-0.99x of plain launches for 1-4 requests, 0.98-
-# 1.02x for 16; at 4,096 keys 0.92-1.08x, four shapes of six above 1); True / False:
-# benchmarks' side-by-side switches.
-# OVERLAP_AUTO: None's answer. Off in the twelfth session, when the GPU test of the chain
-# (twelve layers under a graph, PDL + prefetch against serial launches, inputs varying per
-# replay, cos/sin made in the graph, the split merge) did not give the same bits on the H200;
-# the cause was the test's warm-up (every write position 0: a row's two tokens stored their
-# keys to one position, the winning store undefined). With a real warm-up (thirteenth
-# session, H200): the GPU tests passed (56) and `python -m ddserve.bench.pdl_check` gave equal
-# bits in all 16 runs (serial, PDL, prefetch, both x zero/real warm-up x fixed cos x same
-# inputs); verify steps at 256 keys, fused with overlap against without: 1 request 0.95x
-# (width 1) / 0.96x (16), 4 requests 0.96x / 1.00x, 16 requests 1.05x / 1.00x.
-PDL: bool | None = None
-PREFETCH: bool | None = None
-OVERLAP_AUTO = True
-OVERLAP_MAX_CTX = 512
-# at 16 slots of 1 row the overlapped step was slower in two leases (1.214 vs 1.159 ms, 1.224
-# vs 1.168): on for 1-4 slots (measured faster), off above (8 not measured)
-OVERLAP_MAX_BATCH = 4
-
-
-def launch_params(kernel: str, m: int) -> tuple[int, int, int, int]:
-    """(block_n, block_k, num_warps, num_stages) of `kernel` for a forward of m rows: TUNE's
-    for its row class or, without one, the next larger class it has up to the tile class (16
-    or 64 rows); else DEFAULTS' the same way."""
-    key = rows_key(m)
-    tile = 16 if key <= 16 else 64
-    for table in (TUNE, DEFAULTS):
-        k = key
-        while k <= tile:
-            if (kernel, k) in table:
-                return table[(kernel, k)]
-            k *= 2
-    raise KeyError(f"no launch parameters for {kernel} at {m} rows")
-
-
-def pdl_on(device: torch.device, ctx: int = 0, batch: int = 1) -> bool:
-    """Whether a forward of `batch` slots in context class `ctx` (0: short) launches its
-    chain with PDL."""
-    if PDL is not None:
-        return PDL
-    return _overlap_auto(device, ctx, batch)
-
-
-def _overlap_auto(device: torch.device, ctx: int, batch: int) -> bool:
-    return OVERLAP_AUTO and hopper(device) and ctx <= OVERLAP_MAX_CTX and batch <= OVERLAP_MAX_BATCH
-
-
-def prefetch_on(device: torch.device, ctx: int = 0, batch: int = 1) -> bool:
-    """Whether a forward of `batch` slots in context class `ctx` (0: short) prefetches
-    weights and keys."""
-    if PREFETCH is not None:
-        return PREFETCH
-    return _overlap_auto(device, ctx, batch)
-
-
-def _prefetch_bytes(w: torch.Tensor, ctx: int, batch: int = 1) -> int:
-    """The bytes of each of w's rows to prefetch into L2 (0: none): a row, where every row
-    starts 16-byte aligned (the bulk prefetch's rule), rounded down to 16 bytes."""
-    if not prefetch_on(w.device, ctx, batch) or w.stride(1) != 1 or not bulk_aligned(w, (0,)):
-        return 0
-    return w.shape[1] * w.element_size() // 16 * 16
-
-
 def _launch(kernel, grid, *args, pdl: bool, **meta) -> None:
     """`kernel[grid](*args, **meta)`, with PDL=pdl (and launched with it)."""
     kernel[grid](*args, PDL=pdl, **meta, **launch_kwargs(pdl))
@@ -342,7 +236,7 @@ def qkv_rope(block, x, cos, sin, kc, vc, rows, wpos, ctx: int = 0, batch: int = 
     q = torch.empty(m, nh, hd, device=x.device, dtype=x.dtype)
     bn, bk, warps, stages = launch_params("qkv", m)
     bn = min(bn or hd // 2, hd // 2)
-    bm = _block_m(m, bn)
+    bm = block_m(m, bn)
     w = block.qkv_weight
     bias = block.qkv_bias
     assert kc.stride() == vc.stride() and kc.stride(3) == 1, "K and V pools share one layout"
@@ -354,8 +248,8 @@ def qkv_rope(block, x, cos, sin, kc, vc, rows, wpos, ctx: int = 0, batch: int = 
         x.stride(0), w.stride(0), cos.stride(0), q.stride(0), q.stride(1),
         kc.stride(0), kc.stride(1), kc.stride(2),
         HD=hd, HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32, GEMV=bn < 16,
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, PREFETCH=_prefetch_bytes(w, ctx, batch),
-        num_warps=warps, num_stages=stages, pdl=pdl_on(x.device, ctx, batch),
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, PREFETCH=prefetch_bytes(w, ctx, batch, m),
+        num_warps=warps, num_stages=stages, pdl=pdl_on(x.device, ctx, batch, m),
     )  # fmt: skip
     return q
 
@@ -367,14 +261,14 @@ def gate_up(block, x, ctx: int = 0, batch: int = 1) -> torch.Tensor:
     inter = w.shape[0] // 2
     out = torch.empty(m, inter, device=x.device, dtype=x.dtype)
     bn, bk, warps, stages = launch_params("gate_up", m)
-    bm = _block_m(m, bn)
+    bm = block_m(m, bn)
     norm = block.post_attention_layernorm
     _launch(
         _gate_up, (triton.cdiv(inter, bn), triton.cdiv(m, bm)),
         x, norm.weight, w, out, m, h, inter, norm.eps, x.stride(0), w.stride(0), out.stride(0),
         IEEE=x.dtype == torch.float32, GEMV=bn < 16, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-        PREFETCH=_prefetch_bytes(w, ctx, batch), num_warps=warps, num_stages=stages,
-        pdl=pdl_on(x.device, ctx, batch),
+        PREFETCH=prefetch_bytes(w, ctx, batch, m), num_warps=warps, num_stages=stages,
+        pdl=pdl_on(x.device, ctx, batch, m),
     )  # fmt: skip
     return out
 
@@ -385,13 +279,13 @@ def matmul_add(a, w, r, kernel: str, ctx: int = 0, batch: int = 1) -> torch.Tens
     n = w.shape[0]
     out = torch.empty(m, n, device=a.device, dtype=a.dtype)
     bn, bk, warps, stages = launch_params(kernel, m)
-    bm = _block_m(m, bn)
+    bm = block_m(m, bn)
     _launch(
         _matmul_add, (triton.cdiv(n, bn), triton.cdiv(m, bm)),
         a, w, r, out, m, n, k, a.stride(0), w.stride(0), r.stride(0), out.stride(0),
         IEEE=a.dtype == torch.float32, GEMV=bn < 16, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-        PREFETCH=_prefetch_bytes(w, ctx, batch), num_warps=warps, num_stages=stages,
-        pdl=pdl_on(a.device, ctx, batch),
+        PREFETCH=prefetch_bytes(w, ctx, batch, m), num_warps=warps, num_stages=stages,
+        pdl=pdl_on(a.device, ctx, batch, m),
     )  # fmt: skip
     return out
 
@@ -399,7 +293,8 @@ def matmul_add(a, w, r, kernel: str, ctx: int = 0, batch: int = 1) -> torch.Tens
 def _attend(q, kc, vc, rows, b, w, attn, rows_are_slots) -> torch.Tensor:
     """The layer's attention; the triton kernel as a link of the PDL chain, and prefetching
     its committed keys, where those run."""
-    pdl, prefetch = pdl_on(q.device, attn.ctx, b), prefetch_on(q.device, attn.ctx, b)
+    m = q.shape[0]
+    pdl, prefetch = pdl_on(q.device, attn.ctx, b, m), prefetch_on(q.device, attn.ctx, b, m)
     if attn.backend == "triton" and (pdl or prefetch):
         from ddserve.engine.attention_triton import launch
 
@@ -429,11 +324,11 @@ def fusable(cfg) -> bool:
 
 
 def with_fused_layers(layer_fn):
-    """A layer function that runs forwards of at most FUSED_MAX_ROWS rows through the fused
+    """A layer function that runs forwards of at most layer_launch.FUSED_MAX_ROWS rows through the fused
     kernels and wider ones through `layer_fn` (the compiled or eager reference)."""
 
     def step(block, x, cos, sin, kc, vc, rows, wpos, attn, rows_are_slots):
-        if x.shape[0] <= FUSED_MAX_ROWS and fusable(block.cfg):
+        if x.shape[0] <= launch.FUSED_MAX_ROWS and fusable(block.cfg):
             return fused_layer_step(block, x, cos, sin, kc, vc, rows, wpos, attn, rows_are_slots)
         return layer_fn(block, x, cos, sin, kc, vc, rows, wpos, attn, rows_are_slots)
 

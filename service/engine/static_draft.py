@@ -55,7 +55,7 @@ class Drafting:
         if depth is None:
             depth = self.block_depth(budget)
         bound = size_bound(budget, depth, topk) + 1
-        return next_bucket(bound, 2, 1 << 30), bound
+        return next_bucket(bound, 1, 1 << 30), bound
 
     def _draft_trees(self, seqs: list[Sequence], params: LiveParams) -> list[Tree] | DeviceTrees:
         t0 = time.perf_counter()

@@ -263,7 +263,7 @@ class StaticEngine(Prefill, Drafting, Accepting):
             w, sizes = drafted.width, [drafted.bound] * len(seqs)
         else:
             sizes = [t.size for t in drafted]
-            w = next_bucket(max(sizes), 2, 1 << 30)
+            w = next_bucket(max(sizes), 1, 1 << 30)
         tokens = np.zeros((b, w), dtype=np.int64)
         pos = np.zeros((b, w), dtype=np.int64)
         wpos = np.tile(np.arange(self.pool.max_len - w, self.pool.max_len), (b, 1))

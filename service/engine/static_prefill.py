@@ -342,11 +342,11 @@ class Prefill:
         budgets = sorted(set(budgets or [params.budget]))
         ctxs = self.target.classes(contexts)
         if isinstance(self.drafter, NoDrafter):  # AR: every round verifies the roots alone
-            widths = [2]
+            widths = [1]
         else:
-            widths = {2} | {self.tree_width(b, params.topk)[0] for b in budgets}
+            widths = {1} | {self.tree_width(b, params.topk)[0] for b in budgets}
             if not self.device_tree:  # trees built on the host: any power of two up to it
-                widths |= set(bucket_sizes(max(widths))) - {1}
+                widths |= set(bucket_sizes(max(widths)))
             widths = sorted(widths)
         for b in bucket_sizes(self.pool.slots):
             for w in widths:

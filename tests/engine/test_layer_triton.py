@@ -18,7 +18,7 @@ from tests.engine.triton_interpreter import (
 )
 
 with interpreted():
-    from ddserve.engine import layer_triton
+    from ddserve.engine import layer_launch
     from ddserve.engine.layer_triton import fused_layer_step
 
 from ddserve.config.engine import LiveParams  # noqa: E402
@@ -81,9 +81,9 @@ VARIANTS = {
 @pytest.fixture(params=list(VARIANTS))
 def variant(request):
     tune, head_dim = VARIANTS[request.param]
-    layer_triton.TUNE.update(tune)
+    layer_launch.TUNE.update(tune)
     yield head_dim
-    layer_triton.TUNE.clear()
+    layer_launch.TUNE.clear()
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -129,7 +129,7 @@ def test_engine_on_fused_layers_decodes_like_the_reference(drafter, sets, monkey
     tokens and accept lengths, prompts prefilled through torch (wide) then decoded in one
     batch, a late joiner included; the DFlash drafter's layers stay torch's. With the
     default launch parameters and with the GEMV sets."""
-    monkeypatch.setattr(layer_triton, "TUNE", dict(GEMV) if sets == "gemv" else {})
+    monkeypatch.setattr(layer_launch, "TUNE", dict(GEMV) if sets == "gemv" else {})
     model = random_llama(LlamaConfig(**CFG), seed=3).to(DEV)
     params = LiveParams(budget=6, topk=2, window=8)
     draft = random_dflash(model) if drafter == "dflash" else None
@@ -209,7 +209,7 @@ def pdl_chain_replays(
             x = fused_layer_step(block, x, cos, sin, kc, vc, rows, wpos, attn, True)
         return x
 
-    layer_triton.PDL, layer_triton.PREFETCH = pdl, prefetch
+    layer_launch.PDL, layer_launch.PREFETCH = pdl, prefetch
     try:
         pools = [p.clone() for p in pools0]
         if real_warmup:
@@ -234,7 +234,7 @@ def pdl_chain_replays(
         torch.cuda.synchronize()
         return seen
     finally:
-        layer_triton.PDL = layer_triton.PREFETCH = None
+        layer_launch.PDL = layer_launch.PREFETCH = None
 
 
 @pytest.mark.skipif(
@@ -247,11 +247,11 @@ def test_pdl_chain_equals_serial_launches(sets):
     prefetches and without either: the same bits in the output and in every pool after each
     of 20 replays, so a kernel that read before its predecessors' writes were visible would
     differ."""
-    layer_triton.TUNE.update({"defaults": {}, "blocks": BLOCKS, "gemv": GEMV}[sets])
+    layer_launch.TUNE.update({"defaults": {}, "blocks": BLOCKS, "gemv": GEMV}[sets])
     try:
         results = {overlap: pdl_chain_replays(overlap, overlap) for overlap in (False, True)}
     finally:
-        layer_triton.TUNE.clear()
+        layer_launch.TUNE.clear()
     for serial, overlapped in zip(results[False], results[True], strict=True):
         for a, b_ in zip(serial, overlapped, strict=True):
             assert torch.equal(a, b_)
