@@ -152,7 +152,8 @@ class Layers:
                 a = self.attn
                 launch(
                     self.q, kc, vc, self.rows, a.past, a.tree, None, 1, TREE, 512, splits,
-                    pdl=ll.pdl_on(self.q.device), prefetch=ll.prefetch_on(self.q.device),
+                    pdl=ll.pdl_on(self.q.device, rows=self.q.shape[0]),
+                    prefetch=ll.prefetch_on(self.q.device, rows=self.q.shape[0]),
                     block_n=bn, num_warps=warps, num_stages=stages,
                 )  # fmt: skip
 
@@ -189,7 +190,8 @@ def main() -> int:
     result = {
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,
-        "pdl": ll.pdl_on(torch.device("cuda")),  # and the prefetches, as the engine runs
+        # PDL and the prefetches for 1 row, as the engine runs (GEMV forwards of more rows: off)
+        "pdl": ll.pdl_on(torch.device("cuda")),
         "command": "python -m ddserve.bench.layer_kernels " + " ".join(sys.argv[1:]),
         "rows": {},
     }

@@ -2,7 +2,7 @@
 replay time, host time around it, kernels per step, and the floors.
 
     python -m ddserve.bench.static_step [--model smollm2-135m|random-smollm2] [--batches 1,4,16,64]
-        [--widths 2,4,8,16] [--context 256[,7200,...]] [--modes eager,graph,compile,fused]
+        [--widths 1,2,4,8,16] [--context 256[,7200,...]] [--modes eager,graph,compile,fused]
         [--attention sdpa,triton] [--prefill 1000,7200] [--name static_step]
 
 For each mode (eager: no graph; graph: CUDA graph of the eager kernels; compile: CUDA graph
@@ -137,7 +137,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--batches", default="1,4,16,64")
-    ap.add_argument("--widths", default="2,4,8,16")
+    ap.add_argument("--widths", default="1,2,4,8,16")
     ap.add_argument("--context", default="256", help="committed entries per row (comma list)")
     ap.add_argument("--modes", default="eager,graph,compile")
     ap.add_argument("--attention", default="sdpa", help="comma list: sdpa, triton")

@@ -24,12 +24,12 @@ them (after each projection, RoPE's products and sum, SiLU, gate x up, the resid
 in fp32 the two agree to accumulation order, in bf16 also the norm rounds at another point.
 The reference stays the tests' oracle and the path for wide forwards (prefill chunks).
 
-On Hopper the chain of a step's kernels overlaps (PDL and PREFETCH: layer_launch): each kernel lets
-the next one launch as it starts; the next one has its weight rows prefetched into L2, then
-waits for its predecessor before it touches an activation, the pool or its outputs. Before
-that wait only weights and the forward's inputs copied in before it started (slots, write
-positions, committed lengths) are read, so the results are those of serial launches, bit
-for bit (tests/engine/test_layer_triton.py checks it on the GPU).
+On Hopper the chain of a step's kernels overlaps (PDL and PREFETCH, ddserve.engine.layer_launch):
+each kernel lets the next one launch as it starts; the next one has its weight rows prefetched
+into L2, then waits for its predecessor before it touches an activation, the pool or its
+outputs. Before that wait only weights and the forward's inputs copied in before it started
+(slots, write positions, committed lengths) are read, so the results are those of serial
+launches, bit for bit (tests/engine/test_layer_triton.py checks it on the GPU).
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ddserve.engine import layer_launch as launch
+from ddserve.engine import layer_launch
 from ddserve.engine.attention import attend
 from ddserve.engine.layer_launch import block_m, launch_params, pdl_on, prefetch_bytes, prefetch_on
 from ddserve.engine.triton_hopper import (
@@ -324,11 +324,11 @@ def fusable(cfg) -> bool:
 
 
 def with_fused_layers(layer_fn):
-    """A layer function that runs forwards of at most layer_launch.FUSED_MAX_ROWS rows through the fused
-    kernels and wider ones through `layer_fn` (the compiled or eager reference)."""
+    """A layer function that runs forwards of at most layer_launch.FUSED_MAX_ROWS rows through
+    the fused kernels and wider ones through `layer_fn` (the compiled or eager reference)."""
 
     def step(block, x, cos, sin, kc, vc, rows, wpos, attn, rows_are_slots):
-        if x.shape[0] <= launch.FUSED_MAX_ROWS and fusable(block.cfg):
+        if x.shape[0] <= layer_launch.FUSED_MAX_ROWS and fusable(block.cfg):
             return fused_layer_step(block, x, cos, sin, kc, vc, rows, wpos, attn, rows_are_slots)
         return layer_fn(block, x, cos, sin, kc, vc, rows, wpos, attn, rows_are_slots)
 

@@ -92,6 +92,8 @@ def variant(request):
     [
         (1, 1, A.TREE, False),  # AR decode of one request
         (3, 4, A.TREE, True),  # a tree per row, q/k/v biases (Qwen2)
+        (1, 2, A.TREE, False),  # 2 rows (AR of two requests, a tree of two nodes)
+        (2, 2, A.TREE, False),  # 4 rows: the defaults' class mixing GEMV and tensor cores
         (2, 9, A.FULL, False),  # the drafter's block
         (5, 13, A.TREE, False),  # 65 rows: two row blocks of 64
     ],
@@ -122,8 +124,11 @@ def test_fused_layer_equals_reference(b, w, mode, bias, dtype, variant):
         assert (ref - mine).abs().max().item() < tol
 
 
-@pytest.mark.parametrize("sets", ["defaults", "gemv"])
-@pytest.mark.parametrize("drafter", ["none", "dflash"])
+# AR's forwards (1-4 rows) take the default GEMV sets; the GEMV sets of every class for the
+# drafter's trees too (AR on them: ~45 s more in the interpreter, the same 1-4-row path)
+@pytest.mark.parametrize(
+    "drafter,sets", [("none", "defaults"), ("dflash", "defaults"), ("dflash", "gemv")]
+)
 def test_engine_on_fused_layers_decodes_like_the_reference(drafter, sets, monkeypatch):
     """Static engines with and without the fused layers, same model (fp32): the same greedy
     tokens and accept lengths, prompts prefilled through torch (wide) then decoded in one
@@ -165,6 +170,8 @@ def pdl_chain_replays(
     real_warmup: bool = True,
     fixed_cos: bool = False,
     same_inputs: bool = False,
+    b: int = 4,
+    w: int = 2,
 ) -> list[tuple[torch.Tensor, ...]]:
     """Twelve fused bf16 layers (triton attention, its keys split: the merge kernel in the
     chain) in one CUDA graph, launched with `pdl` and `prefetch` as given, replayed 20 times;
@@ -179,7 +186,7 @@ def pdl_chain_replays(
     dt = torch.bfloat16
     layers = [random_block(False, dt, seed=i, head_dim=64) for i in range(12)]
     c = layers[0].cfg
-    b, w, length = 4, 2, 256  # 6 folded rows a program, 256 keys: four splits
+    length = 256  # b=4, w=2: 6 folded rows a program, 256 keys: four splits
     gen = torch.Generator().manual_seed(1)
     rotary = Rotary(c.head_dim, 10000.0).to(DEV)
     rows = torch.arange(b, device=DEV)
@@ -241,17 +248,48 @@ def pdl_chain_replays(
     not CUDA or torch.cuda.get_device_capability()[0] < 9,
     reason="programmatic dependent launch needs a Hopper-or-later GPU",
 )
-@pytest.mark.parametrize("sets", ["defaults", "blocks", "gemv"])
+@pytest.mark.parametrize("sets", ["defaults", "blocks", "gemv", "defaults-1-row"])
 def test_pdl_chain_equals_serial_launches(sets):
     """The chain of `pdl_chain_replays` with programmatic dependent launch and L2
     prefetches and without either: the same bits in the output and in every pool after each
     of 20 replays, so a kernel that read before its predecessors' writes were visible would
-    differ."""
-    layer_launch.TUNE.update({"defaults": {}, "blocks": BLOCKS, "gemv": GEMV}[sets])
+    differ. 4 x 2 rows, and 1 row (AR at C=1: the default GEMV sets, which the engine
+    overlaps)."""
+    layer_launch.TUNE.update({"blocks": BLOCKS, "gemv": GEMV}.get(sets, {}))
+    b, w = (1, 1) if sets == "defaults-1-row" else (4, 2)
     try:
-        results = {overlap: pdl_chain_replays(overlap, overlap) for overlap in (False, True)}
+        results = {o: pdl_chain_replays(o, o, b=b, w=w) for o in (False, True)}
     finally:
         layer_launch.TUNE.clear()
     for serial, overlapped in zip(results[False], results[True], strict=True):
         for a, b_ in zip(serial, overlapped, strict=True):
             assert torch.equal(a, b_)
+
+
+def test_launch_parameters_by_row_class(monkeypatch):
+    """A forward of m rows takes the entry of m rounded up to a power of two, else the next
+    larger class up to its tile class (16 or 64 rows), TUNE's before DEFAULTS'; a GEMV set
+    (block_n < 16) takes the forward's rows up to 16 a program, a tensor-core set tiles of 16,
+    32 or 64; GEMV forwards of more than OVERLAP_MAX_GEMV_ROWS rows do not overlap."""
+    L = layer_launch
+    assert [L.rows_key(m) for m in (1, 2, 3, 4, 5, 9, 16, 17, 64, 65, 300)] == [
+        1, 2, 4, 4, 8, 16, 16, 32, 64, 64, 64,
+    ]  # fmt: skip
+    assert [L.block_m(m, 4) for m in (1, 3, 16, 40)] == [1, 4, 16, 16]
+    assert [L.block_m(m, 16) for m in (1, 16, 17, 40)] == [16, 16, 32, 64]
+    monkeypatch.setattr(L, "TUNE", {})
+    monkeypatch.setattr(L, "DEFAULTS", {("o", 2): "d2", ("o", 16): "d16", ("o", 64): "d64"})
+    assert [L.launch_params("o", m) for m in (1, 2, 3, 8, 16, 17, 64)] == [
+        "d2", "d2", "d16", "d16", "d16", "d64", "d64",
+    ]  # fmt: skip
+    L.TUNE[("o", 4)] = "t4"  # TUNE first, at any class up to the tile's
+    assert [L.launch_params("o", m) for m in (1, 2, 4, 8, 32)] == ["t4", "t4", "t4", "d16", "d64"]
+    # the overlap: on for GEMV at 1 row, off for GEMV at more, on for tensor-core sets
+    gemv, tc = (4, 1024, 2, 1), (16, 128, 4, 3)
+    sets = {(k, c): gemv if c <= 4 else tc for k in L.KERNELS for c in (1, 2, 4, 16, 64)}
+    monkeypatch.setattr(L, "TUNE", sets)
+    monkeypatch.setattr(L, "hopper", lambda device: True)
+    on = [L.pdl_on(torch.device("cpu"), 0, 1, m) for m in (1, 2, 4, 8, 16)]
+    assert on == [True, False, False, True, True]
+    assert L.prefetch_on(torch.device("cpu"), 0, 1, 2) is False
+    assert L.pdl_on(torch.device("cpu"), 0, 8, 1) is False  # more slots than OVERLAP_MAX_BATCH
