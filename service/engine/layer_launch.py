@@ -36,9 +36,10 @@ def block_m(m: int, block_n: int) -> int:
 # shapes); TUNE overrides (benchmarks). A row class without an entry takes its tile class's
 # (16: up to 16 rows, 64: more).
 DEFAULTS = {
-    # 1-4 rows: GEMV sets (an H100, results/kernels-gemv/: lk-gemv.json, lk-gemv24.json), a
-    # layer against the 16-row sets: 1 row 20.09 / 30.61 us, 2 rows 21.71 / 32.01, 4 rows
-    # 26.02 / 31.42 (o and down keep tensor cores there); 8 rows not measured: the 16-row sets
+    # 1-8 rows: GEMV sets (an H100, results/kernels-gemv/: lk-gemv.json, lk-gemv24.json,
+    # lk-gemv8.json), a layer against the 16-row sets: 1 row 20.09 / 30.61 us, 2 rows 21.71 /
+    # 32.01, 4 rows 26.02 / 31.42 (o and down keep tensor cores), 8 rows 30.61 / 33.63 (qkv
+    # alone on GEMV)
     ("qkv", 1): (2, 1024, 2, 1),
     ("gate_up", 1): (4, 1024, 2, 1),
     ("o", 1): (4, 1024, 2, 1),
@@ -51,6 +52,10 @@ DEFAULTS = {
     ("gate_up", 4): (4, 1024, 2, 1),
     ("o", 4): (16, 128, 4, 3),
     ("down", 4): (16, 512, 4, 3),
+    ("qkv", 8): (2, 1024, 4, 1),
+    ("gate_up", 8): (32, 256, 4, 1),
+    ("o", 8): (16, 128, 4, 3),
+    ("down", 8): (16, 512, 4, 3),
     # 16 rows: with PDL and the L2 prefetches (results/pdl-h200/lk1.json)
     ("qkv", 16): (0, 256, 8, 1),
     ("gate_up", 16): (32, 256, 4, 1),
