@@ -32,9 +32,9 @@ def block_m(m: int, block_n: int) -> int:
 # Launch parameters per kernel and row class: (block_n, block_k, num_warps, num_stages);
 # qkv's block_n is the rotary columns per half a program takes (0: the whole half); a
 # block_n under 16 multiplies on the CUDA cores (GEMV in _mac), 16 and over on tensor cores.
-# Measured per kernel on the H200 with `python -m ddserve.bench.layer_kernels` (SmolLM2's
-# shapes); TUNE overrides (benchmarks). A row class without an entry takes its tile class's
-# (16: up to 16 rows, 64: more).
+# Measured per kernel with `python -m ddserve.bench.layer_kernels` (SmolLM2's shapes; the
+# 16- and 64-row sets on an H200, the GEMV ones on an H100); TUNE overrides (benchmarks). A
+# row class without an entry takes the next larger class's (launch_params).
 DEFAULTS = {
     # 1-8 rows: GEMV sets (an H100, results/kernels-gemv/: lk-gemv.json, lk-gemv24.json,
     # lk-gemv8.json), a layer against the 16-row sets: 1 row 20.09 / 30.61 us, 2 rows 21.71 /
