@@ -98,7 +98,11 @@ def variant(request):
         (5, 13, A.TREE, False),  # 65 rows: two row blocks of 64
     ],
 )
-def test_fused_layer_equals_reference(b, w, mode, bias, dtype, variant):
+def test_fused_layer_equals_reference(b, w, mode, bias, dtype, variant, request):
+    if not CUDA and b * w > 64 and "gemv" in request.node.callspec.params["variant"]:
+        # ~10 s each in the interpreter (a program per 4 columns x 5 row blocks); 18 rows
+        # already take several GEMV row blocks there, and on a GPU this case runs
+        pytest.skip("65 rows of GEMV sets: on a GPU only (CI time)")
     block = random_block(bias, dtype, seed=b * w, head_dim=variant)
     c = block.cfg
     gen = torch.Generator().manual_seed(7)
