@@ -56,8 +56,8 @@ GEMV_MAX_ELEMENTS = 16384  # rows x block_n x block_k of a program's product, in
 def grid_sets(name: str, rows: int, grids: str):
     """The (bn, bk, warps, stages) sets to time for kernel `name` at `rows` rows: the
     tensor-core grid where `grids` has "tc" (else only the layer kernels' default sets), and
-    the GEMV grid where it has "gemv" (sets whose product tile would not fit in registers left out, as are
-    num_stages > 1 where one K step covers the input)."""
+    the GEMV grid where it has "gemv" (sets whose product tile would not fit in registers left
+    out, as are num_stages > 1 where one K step covers the input)."""
     sets = []
     if "tc" in grids:
         sets += list(itertools.product(*GRID[name].values()))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from ddserve.engine.static import next_bucket
 from ddserve.engine.triton_hopper import bulk_aligned, hopper
 
 # wider forwards go through torch: measured on the H200 (bench/NOTES.md), the fused layer
@@ -18,15 +19,13 @@ FUSED_MAX_ROWS = 16
 def rows_key(m: int) -> int:
     """The row class a forward of m rows takes its launch parameters from: m rounded up to
     a power of two (1, 2, 4, ..., 64)."""
-    return min(1 << max(m - 1, 0).bit_length(), 64)
+    return next_bucket(m, 1, 64)
 
 
 def block_m(m: int, block_n: int) -> int:
     """Rows a program takes: tensor-core tiles take 16, 32 or 64; GEMV blocks (block_n < 16)
     the forward's rows up to 16 (a 1-row forward computes no padding rows)."""
-    if block_n < 16:
-        return min(rows_key(m), 16)
-    return 16 if m <= 16 else (32 if m <= 32 else 64)
+    return next_bucket(m, 1, 16) if block_n < 16 else next_bucket(m, 16, 64)
 
 
 # Launch parameters per kernel and row class: (block_n, block_k, num_warps, num_stages);
