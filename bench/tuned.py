@@ -5,7 +5,9 @@ timings won (apply_tune), in this process, then the module as `-m`.
     python -m ddserve.bench.tuned LAYER_KERNELS_JSON[,JSON...] MODULE [ARGS...]
 
 For a lease that measures the engine with parameters an earlier call of the same lease
-found, before they are written into layer_launch.DEFAULTS."""
+found, before they are written into layer_launch.DEFAULTS. A JSON may also hold
+"attention": {NAME: value} for the attention kernel's policy constants (ATTENTION_KNOBS), e.g.
+{"attention": {"SPLIT_TREE_MAX_ROWS": 16}} for the key-split rule of before 2026-12-06."""
 
 from __future__ import annotations
 
@@ -16,6 +18,9 @@ from pathlib import Path
 
 from ddserve.engine import layer_launch as ll
 
+# ddserve.engine.attention_triton's module constants a JSON's "attention" may set
+ATTENTION_KNOBS = ("SPLIT_TREE_MAX_ROWS", "PREFETCH_KEYS")
+
 
 def apply_tune(paths: str) -> dict:
     """The best launch parameters of bench.layer_kernels runs (their JSONs, a comma list)
@@ -25,9 +30,21 @@ def apply_tune(paths: str) -> dict:
     the compiled one with every fewer measured row count also won (row counts between two
     measured ones are taken to behave as the larger; the limit is never lowered). Returns
     what it set."""
-    res = {}
+    res, knobs = {}, {}
     for path in paths.split(","):
-        res.update(json.loads(Path(path).read_text())["rows"])
+        data = json.loads(Path(path).read_text())
+        res.update(data.get("rows", {}))
+        knobs.update(data.get("attention", {}))
+    if knobs:
+        from ddserve.engine import attention_triton
+
+        unknown = sorted(set(knobs) - set(ATTENTION_KNOBS))
+        if unknown:
+            sys.exit(
+                f"ddserve.bench.tuned: unknown attention knobs {unknown}; known: {ATTENTION_KNOBS}"
+            )
+        for name, value in knobs.items():
+            setattr(attention_triton, name, value)
     for rows in sorted(res, key=int, reverse=True):  # the fewest rows of a block set it last
         r = res[rows]
         for k, v in r.get("best", {}).items():
@@ -38,7 +55,11 @@ def apply_tune(paths: str) -> dict:
         if not us or us["fused_best"] >= us["compile"]:
             break
         ll.FUSED_MAX_ROWS = max(ll.FUSED_MAX_ROWS, int(rows))
-    return {"tune": {str(k): v for k, v in ll.TUNE.items()}, "fused_max_rows": ll.FUSED_MAX_ROWS}
+    return {
+        "tune": {str(k): v for k, v in ll.TUNE.items()},
+        "fused_max_rows": ll.FUSED_MAX_ROWS,
+        "attention": knobs,
+    }
 
 
 def main() -> None:

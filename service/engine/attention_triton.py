@@ -220,6 +220,50 @@ def tuning(mode: int, w: int) -> dict:
     return dict(WIDE_TUNE) if mode == 1 and w >= WIDE else {}
 
 
+# Short contexts (<= 512 keys): a tree forward (decode, verify) of at most this many folded
+# query rows (G x W) whose 16-row query blocks, one program each per kv head and request, fit
+# on the multiprocessors at once takes 16-row blocks and splits its keys; others keep one
+# program per query block of up to 64 rows over all keys. On the H200 at 256 keys
+# (bench.layer_kernels, one attention per layer in a chain, the merge included): 1 row 8.3 ->
+# 4.8 us a layer with 4 splits, 32 rows (B=32) 12.8 -> 8.6; a verify step of 16 x 16 rows
+# (48 folded rows a program, 48 programs) went 1.63 -> 1.94 ms split ("Eleventh session").
+# Until 2026-12-06 the limit was 16 rows, so a verify of 1 x 16 tree rows (48 folded) ran 3
+# programs of 64 rows over all keys: 14.3 us a layer, a third of its 1.27 ms step on the H100
+# ("Twenty-third session"). Benchmarks set it (bench.tuned)
+SPLIT_TREE_MAX_ROWS = 96
+
+
+def split_plan(
+    b: int, w: int, g: int, kvh: int, mode: int, ctx: int, sms: int, tune: dict | None = None
+) -> tuple[int, int]:
+    """(query rows a program takes, key splits) of a forward of b requests x w rows, g query
+    heads per kv head, context class ctx, on sms multiprocessors. Depends only on shapes,
+    never on lengths, so a CUDA graph of one shape replays for every context. Long classes
+    split into at least 256 keys a split, short ones only narrow tree forwards
+    (SPLIT_TREE_MAX_ROWS) into at least 64; either way no more than `fill` (4) programs per
+    multiprocessor and 32 splits."""
+    tune = tune or {}
+    rows_g = g * w
+    narrow = (
+        mode == 0
+        and ctx <= 512
+        and rows_g <= SPLIT_TREE_MAX_ROWS
+        and b * kvh * triton.cdiv(rows_g, 16) <= sms
+    )
+    block_m = tune.get("block_m") or (
+        16 if narrow or rows_g <= 16 else (32 if rows_g <= 32 else 64)
+    )
+    programs = b * kvh * triton.cdiv(rows_g, block_m)
+    if ctx > 512:
+        room = ctx // 256
+    elif narrow:
+        room = max(1, ctx // 64)
+    else:
+        room = 1
+    fill = tune.get("fill", 4) * sms
+    return block_m, max(1, min(room, 32, fill // programs))
+
+
 def launch(
     q, kc, vc, rows, past, tree, window, w: int, mode: int, ctx: int = 0, splits=None,
     pdl: bool = False, prefetch: bool = False, **tune
@@ -235,29 +279,12 @@ def launch(
     kvh = kc.shape[1]
     g, b = nh // kvh, n // w
     rows_g = g * w
-    block_m = tune.get("block_m") or (16 if rows_g <= 16 else (32 if rows_g <= 32 else 64))
     block_n = tune.get("block_n", 64)
     block_d = triton.next_power_of_2(hd)
+    sms = multiprocessors(q.device)
+    block_m, auto_splits = split_plan(b, w, g, kvh, mode, ctx or kc.shape[2], sms, tune)
     mblocks = triton.cdiv(rows_g, block_m)
-    if splits is None:
-        # split the keys only while B x kvh x query blocks leaves the GPU idle: in long
-        # context classes a split covers at least 256 keys; in short ones (<= 512) only
-        # decode-shaped tree forwards (at most 16 folded query rows a program, at most one
-        # program per multiprocessor), into splits of 64 keys or more. On the H200, 256 keys
-        # (bench.layer_kernels, one attention per layer in a chain, the merge included):
-        # 1 row 8.3 -> 4.8 us a layer with 4 splits, 32 rows (B=32) 12.8 -> 8.6; a verify
-        # step of 16 x 16 rows (48 folded rows a program) went 1.63 -> 1.94 ms split, hence
-        # the row limit (bench/NOTES.md, "Eleventh session")
-        ctx = ctx or kc.shape[2]
-        programs = b * kvh * mblocks
-        if ctx > 512:
-            room = ctx // 256
-        elif mode == 0 and rows_g <= 16 and programs <= multiprocessors(q.device):
-            room = max(1, ctx // 64)
-        else:
-            room = 1
-        fill = tune.get("fill", 4) * multiprocessors(q.device)
-        splits = max(1, min(room, 32, fill // programs))
+    splits = splits or auto_splits
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     if q.stride(2) != 1:
         q = q.contiguous()

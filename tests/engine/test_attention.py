@@ -5,6 +5,7 @@ and a static engine on it decodes token for token like one on the reference.
 Without a GPU the kernel runs in triton's interpreter (TRITON_INTERPRET=1, numpy on the CPU),
 which is how CI tests it; on a GPU the same tests run the compiled kernel, in fp32 and bf16."""
 
+import functools
 import os
 
 import pytest
@@ -76,30 +77,55 @@ def test_kernel_equals_reference(mode, b, w, splits, window, dtype):
         assert (op.float() - ref).abs().max().item() < tol
 
 
-@pytest.mark.parametrize("w,split", [(2, True), (8, False)], ids=["decode", "wide-tree"])
-def test_short_context_splits_only_decode_shaped_trees(w, split, monkeypatch):
-    """In the short class (<= 512 keys) a tree forward of few folded query rows on an idle
-    GPU splits its keys (>= 64 a split: the merge kernel runs); a wider one (more than 16
-    folded rows a program) keeps one kernel; both equal the reference. (Off CUDA the GPU
-    is one multiprocessor: one request of one kv head leaves it idle.)"""
+@pytest.mark.parametrize(
+    "w,sms,split",
+    [(2, 1, True), (8, 2, True), (8, 1, False)],
+    ids=["decode", "narrow-tree", "tree-filling-the-gpu"],
+)
+def test_short_context_splits_only_narrow_trees(w, sms, split, monkeypatch):
+    """In the short class (<= 512 keys) a tree forward whose 16-row query blocks fit on the
+    multiprocessors splits its keys (>= 64 a split: the merge kernel runs), in 16-row query
+    blocks (W=8: 24 folded rows, two blocks); one whose blocks would not fit keeps one
+    kernel; all equal the reference. (Off CUDA the GPU is one multiprocessor unless patched.)"""
     dtype = DTYPES[-1]
     q, kc, vc, rows, past, tree, _ = case(1, w, A.TREE, kvh=1, length=320, dtype=dtype, seed=w)
-    merges = []
-    real = T._merge
+    merges, attns = [], []
 
     class Counting:
-        def __getitem__(self, grid):
-            merges.append(grid)
-            return real[grid]
+        def __init__(self, kernel, seen):
+            self.kernel, self.seen = kernel, seen
 
-    monkeypatch.setattr(T, "_merge", Counting())
-    monkeypatch.setattr(T, "multiprocessors", lambda device: 1)
+        def __getitem__(self, grid):
+            self.seen.append(grid)
+            return self.kernel[grid]
+
+    monkeypatch.setattr(T, "_merge", Counting(T._merge, merges))
+    monkeypatch.setattr(T, "_attn", Counting(T._attn, attns))
+    monkeypatch.setattr(T, "multiprocessors", lambda device: sms)
     ref_plan = A.plan("sdpa", past, A.TREE, tree, w, kc.shape[2], 3, dtype)
     ref = A.attend(q, kc, vc, rows, 1, w, ref_plan, False).float()
     out = launch(q, kc, vc, rows, past, tree, None, w, A.TREE, 320)
     assert bool(merges) == split
+    ((_, mblocks, splits),) = attns
+    assert (splits > 1) == split
+    assert mblocks == (-(-3 * w // 16) if split else 1)  # 16-row blocks where it splits
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     assert (out.reshape(w, -1).float() - ref).abs().max().item() < tol
+
+
+def test_split_plan_by_shape():
+    """The key-split rule on an H100/H200's 132 multiprocessors, SmolLM2's heads (3 query heads
+    per kv head, 3 kv heads): (query rows a program, key splits)."""
+    plan = functools.partial(T.split_plan, g=3, kvh=3, sms=132)
+    assert plan(1, 1, mode=A.TREE, ctx=512) == (16, 8)  # AR decode: 3 programs, split
+    assert plan(1, 16, mode=A.TREE, ctx=512) == (16, 8)  # a verify of 16 tree rows: 9 programs
+    assert plan(1, 32, mode=A.TREE, ctx=512) == (16, 8)  # 96 folded rows: 18 programs
+    assert plan(16, 16, mode=A.TREE, ctx=512) == (64, 1)  # 144 programs at 16 rows: unsplit
+    assert plan(1, 64, mode=A.TREE, ctx=512) == (64, 1)  # past SPLIT_TREE_MAX_ROWS
+    assert plan(1, 16, mode=A.CAUSAL, ctx=512) == (64, 1)  # a prompt chunk, short context
+    assert plan(1, 16, mode=A.TREE, ctx=8192) == (64, 32)  # long: 256 keys a split or more
+    assert plan(64, 1, mode=A.TREE, ctx=8192) == (16, 2)  # 192 programs: at most 4 a multiprocessor
+    assert plan(1, 16, mode=A.TREE, ctx=512, tune={"block_m": 32}) == (32, 8)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
