@@ -27,7 +27,7 @@ case ${CALL:?} in
         tests/engine/test_layer_triton.py -k "not 65" 2>&1 | tail -12 | tee $OUT/gpu_tests.txt
     echo "tests: ${SECONDS}s"
     timeout 170 python3 -m ddserve.bench.verify_attention --grid \
-        --shapes 1x1,1x4,1x8,1x16,1x32,2x16,4x16,8x16,16x16 --keys 256,2048 \
+        --shapes 1x1,1x4,1x8,1x16,1x32,2x16,4x16,8x16,16x8,16x16 --keys 256,2048 \
         --name va --out $OUT 2>&1 | grep -v Warning | tail -20
     echo "verify_attention: ${SECONDS}s"
     steps steps-default 256
