@@ -19,7 +19,7 @@ from pathlib import Path
 from ddserve.engine import layer_launch as ll
 
 # ddserve.engine.attention_triton's module constants a JSON's "attention" may set
-ATTENTION_KNOBS = ("SPLIT_TREE_MAX_ROWS", "PREFETCH_KEYS")
+ATTENTION_KNOBS = ("SPLIT_TREE_MAX_ROWS", "WIDE_TREE_FILL", "PREFETCH_KEYS")
 
 
 def apply_tune(paths: str) -> dict:

@@ -17,11 +17,24 @@ cp .carry/q*/* /root/parts/ 2>/dev/null
 steps() {  # NAME CONTEXT [TUNED_JSON]: verify steps (fused layers up to 16 rows, compiled above)
     local pre=(-m ddserve.bench.static_step)
     [ -n "${3:-}" ] && pre=(-m ddserve.bench.tuned "$3" ddserve.bench.static_step)
-    timeout 120 python3 "${pre[@]}" --model random-smollm2 --attention triton \
+    timeout 100 python3 "${pre[@]}" --model random-smollm2 --attention triton \
         --modes fused --batches 1,4 --widths 1,8,16,32 --context "$2" --name "$1" \
         --out $OUT 2>&1 | grep -v Warning | tail -20
 }
 case ${CALL:?} in
+3)  # after call 0's grid: the rule revised (16-row blocks for every tree forward up to 96
+    # folded rows; wide trees split up to ~0.55 programs an SM), one call, .whl only
+    timeout 120 python3 -m pytest -q -p no:cacheprovider tests/engine/test_attention.py 2>&1 |
+        tail -4 | tee $OUT/gpu_tests_3.txt
+    echo "tests: ${SECONDS}s"
+    steps steps3-default 256
+    steps steps3-before 256 $BEFORE
+    timeout 80 python3 -m ddserve.bench.verify_attention \
+        --shapes 1x1,1x8,1x16,1x32,4x16,8x16,16x8,16x16 --keys 256,2048 \
+        --name va3 --out $OUT 2>&1 | grep -v Warning | tail -20
+    steps steps3-default-2k 2048
+    steps steps3-before-2k 2048 $BEFORE
+    ;;
 0)
     timeout 170 python3 -m pytest -q -p no:cacheprovider tests/engine/test_attention.py \
         tests/engine/test_layer_triton.py -k "not 65" 2>&1 | tail -12 | tee $OUT/gpu_tests.txt

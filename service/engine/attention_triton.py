@@ -220,17 +220,18 @@ def tuning(mode: int, w: int) -> dict:
     return dict(WIDE_TUNE) if mode == 1 and w >= WIDE else {}
 
 
-# Short contexts (<= 512 keys): a tree forward (decode, verify) of at most this many folded
-# query rows (G x W) whose 16-row query blocks, one program each per kv head and request, fit
-# on the multiprocessors at once takes 16-row blocks and splits its keys; others keep one
-# program per query block of up to 64 rows over all keys. On the H200 at 256 keys
-# (bench.layer_kernels, one attention per layer in a chain, the merge included): 1 row 8.3 ->
-# 4.8 us a layer with 4 splits, 32 rows (B=32) 12.8 -> 8.6; a verify step of 16 x 16 rows
-# (48 folded rows a program, 48 programs) went 1.63 -> 1.94 ms split ("Eleventh session").
-# Until 2026-12-06 the limit was 16 rows, so a verify of 1 x 16 tree rows (48 folded) ran 3
-# programs of 64 rows over all keys: 14.3 us a layer, a third of its 1.27 ms step on the H100
-# ("Twenty-third session"). Benchmarks set it (bench.tuned)
+# Tree forwards (verify, decode) of at most this many folded query rows (G x W) take 16-row
+# query blocks; in short contexts (<= 512 keys) they split their keys (at least 64 a split)
+# up to about WIDE_TREE_FILL programs per multiprocessor when they have more than 16 folded
+# rows (fewer: as decode always did, up to 4 per multiprocessor where its blocks fit on the
+# GPU); in long ones as every forward does. Until 2026-12-06 only forwards of at most 16 folded
+# rows did either (the others: one program per kv head and query block of up to 64 rows over
+# all keys), so a verify of 1 x 16 tree rows (48 folded) ran 3 programs: 13.7 us a layer at
+# 256 keys on the H100, 5.9 now; 16 x 16 rows 14.8 -> 10.9; at 2,048 keys 15.4 -> ~9.9 and
+# 47.5 -> ~31 (bench.verify_attention, bench/NOTES.md "Twenty-third session"). Benchmarks
+# set both (bench.tuned)
 SPLIT_TREE_MAX_ROWS = 96
+WIDE_TREE_FILL = 0.55
 
 
 def split_plan(
@@ -239,29 +240,28 @@ def split_plan(
     """(query rows a program takes, key splits) of a forward of b requests x w rows, g query
     heads per kv head, context class ctx, on sms multiprocessors. Depends only on shapes,
     never on lengths, so a CUDA graph of one shape replays for every context. Long classes
-    split into at least 256 keys a split, short ones only narrow tree forwards
-    (SPLIT_TREE_MAX_ROWS) into at least 64; either way no more than `fill` (4) programs per
-    multiprocessor and 32 splits."""
+    split into at least 256 keys a split, up to 4 programs per multiprocessor; short ones only
+    tree forwards (see SPLIT_TREE_MAX_ROWS); never more than 32 splits. On the H200 at 256 keys
+    (one attention per layer in a chain, the merge included): 1 row 8.3 -> 4.8 us a layer
+    with 4 splits, 32 rows (B=32) 12.8 -> 8.6 ("Eleventh session"); on the H100 (above): at
+    1 x 16 tree rows 2-8 splits within 4% of one another, 4 x 16 best at 2, 8 x 16 and wider
+    unsplit."""
     tune = tune or {}
     rows_g = g * w
-    narrow = (
-        mode == 0
-        and ctx <= 512
-        and rows_g <= SPLIT_TREE_MAX_ROWS
-        and b * kvh * triton.cdiv(rows_g, 16) <= sms
-    )
-    block_m = tune.get("block_m") or (
-        16 if narrow or rows_g <= 16 else (32 if rows_g <= 32 else 64)
-    )
+    tree = mode == 0 and rows_g <= SPLIT_TREE_MAX_ROWS
+    block_m = tune.get("block_m") or (16 if tree or rows_g <= 16 else (32 if rows_g <= 32 else 64))
     programs = b * kvh * triton.cdiv(rows_g, block_m)
+    fill = tune.get("fill", 4) * sms
     if ctx > 512:
         room = ctx // 256
-    elif narrow:
+    elif tree and rows_g > 16:
+        room = max(1, ctx // 64)
+        fill = tune.get("fill", WIDE_TREE_FILL) * sms
+    elif tree and programs <= sms:
         room = max(1, ctx // 64)
     else:
         room = 1
-    fill = tune.get("fill", 4) * sms
-    return block_m, max(1, min(room, 32, fill // programs))
+    return block_m, max(1, min(room, 32, int(fill // programs)))
 
 
 def launch(

@@ -79,13 +79,13 @@ def test_kernel_equals_reference(mode, b, w, splits, window, dtype):
 
 @pytest.mark.parametrize(
     "w,sms,split",
-    [(2, 1, True), (8, 2, True), (8, 1, False)],
-    ids=["decode", "narrow-tree", "tree-filling-the-gpu"],
+    [(2, 1, True), (8, 8, True), (8, 1, False)],
+    ids=["decode", "tree", "tree-filling-the-gpu"],
 )
-def test_short_context_splits_only_narrow_trees(w, sms, split, monkeypatch):
-    """In the short class (<= 512 keys) a tree forward whose 16-row query blocks fit on the
-    multiprocessors splits its keys (>= 64 a split: the merge kernel runs), in 16-row query
-    blocks (W=8: 24 folded rows, two blocks); one whose blocks would not fit keeps one
+def test_short_context_splits_trees_on_an_idle_gpu(w, sms, split, monkeypatch):
+    """In the short class (<= 512 keys) a tree forward takes 16-row query blocks (W=8: 24
+    folded rows, two blocks) and splits its keys (>= 64 a split: the merge kernel runs) while
+    its programs leave the multiprocessors idle; on a GPU its blocks fill, it keeps one
     kernel; all equal the reference. (Off CUDA the GPU is one multiprocessor unless patched.)"""
     dtype = DTYPES[-1]
     q, kc, vc, rows, past, tree, _ = case(1, w, A.TREE, kvh=1, length=320, dtype=dtype, seed=w)
@@ -108,7 +108,7 @@ def test_short_context_splits_only_narrow_trees(w, sms, split, monkeypatch):
     assert bool(merges) == split
     ((_, mblocks, splits),) = attns
     assert (splits > 1) == split
-    assert mblocks == (-(-3 * w // 16) if split else 1)  # 16-row blocks where it splits
+    assert mblocks == -(-3 * w // 16)  # 16-row query blocks
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     assert (out.reshape(w, -1).float() - ref).abs().max().item() < tol
 
@@ -117,15 +117,20 @@ def test_split_plan_by_shape():
     """The key-split rule on an H100/H200's 132 multiprocessors, SmolLM2's heads (3 query heads
     per kv head, 3 kv heads): (query rows a program, key splits)."""
     plan = functools.partial(T.split_plan, g=3, kvh=3, sms=132)
-    assert plan(1, 1, mode=A.TREE, ctx=512) == (16, 8)  # AR decode: 3 programs, split
-    assert plan(1, 16, mode=A.TREE, ctx=512) == (16, 8)  # a verify of 16 tree rows: 9 programs
-    assert plan(1, 32, mode=A.TREE, ctx=512) == (16, 8)  # 96 folded rows: 18 programs
-    assert plan(16, 16, mode=A.TREE, ctx=512) == (64, 1)  # 144 programs at 16 rows: unsplit
-    assert plan(1, 64, mode=A.TREE, ctx=512) == (64, 1)  # past SPLIT_TREE_MAX_ROWS
-    assert plan(1, 16, mode=A.CAUSAL, ctx=512) == (64, 1)  # a prompt chunk, short context
-    assert plan(1, 16, mode=A.TREE, ctx=8192) == (64, 32)  # long: 256 keys a split or more
-    assert plan(64, 1, mode=A.TREE, ctx=8192) == (16, 2)  # 192 programs: at most 4 a multiprocessor
-    assert plan(1, 16, mode=A.TREE, ctx=512, tune={"block_m": 32}) == (32, 8)
+    tree, short, long = A.TREE, 512, 8192
+    assert plan(1, 1, mode=tree, ctx=short) == (16, 8)  # AR decode: 3 programs, split
+    assert plan(16, 1, mode=tree, ctx=short) == (16, 8)  # decode: up to 4 programs an SM
+    assert plan(64, 1, mode=tree, ctx=short) == (16, 1)  # decode whose blocks fill the GPU
+    assert plan(1, 16, mode=tree, ctx=short) == (16, 8)  # a verify of 16 tree rows: 9 blocks
+    assert plan(1, 32, mode=tree, ctx=short) == (16, 4)  # 96 folded rows: 18 blocks
+    assert plan(4, 16, mode=tree, ctx=short) == (16, 2)  # 36 blocks: ~0.55 programs an SM
+    assert plan(16, 16, mode=tree, ctx=short) == (16, 1)  # 144 blocks of 16 rows, unsplit
+    assert plan(1, 64, mode=tree, ctx=short) == (64, 1)  # past SPLIT_TREE_MAX_ROWS
+    assert plan(1, 16, mode=A.CAUSAL, ctx=short) == (64, 1)  # a prompt chunk, short context
+    assert plan(1, 16, mode=tree, ctx=long) == (16, 32)  # long: 256 keys a split or more
+    assert plan(16, 16, mode=tree, ctx=long) == (16, 3)  # at most 4 programs an SM
+    assert plan(1, 64, mode=tree, ctx=long) == (64, 32)
+    assert plan(1, 16, mode=tree, ctx=short, tune={"block_m": 32}) == (32, 8)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
