@@ -164,12 +164,18 @@ def plot(result: dict, path: Path) -> None:
     series = {
         "before (16-row limit)": [c["before_us"] for c in cases],
         "default": [c["default_us"] for c in cases],
-        "grid's best": [c["best"]["us"] if c.get("best") else 0 for c in cases],
     }
+    if all(c.get("best") for c in cases):  # a --grid run
+        series["grid's best"] = [c["best"]["us"] for c in cases]
     fig, ax = plt.subplots(figsize=(max(6, len(cases) * 0.9), 4))
-    width = 0.27
+    width = 0.8 / len(series)
     for i, (name, ys) in enumerate(series.items()):
-        ax.bar([x + (i - 1) * width for x in range(len(cases))], ys, width, label=name)
+        ax.bar(
+            [x + (i - (len(series) - 1) / 2) * width for x in range(len(cases))],
+            ys,
+            width,
+            label=name,
+        )
     ax.set_xticks(range(len(cases)), labels, fontsize=7)
     ax.set_ylabel("us per layer (30 layers in a CUDA graph)")
     ax.set_title(f"tree attention, {result['device']}")
