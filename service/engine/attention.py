@@ -18,8 +18,8 @@ Two implementations of that one rule:
               serves every length up to its context class (two: up to 512 keys, and the
               pool's length; the class only sets how many ways the keys may be split). Split
               over the keys ("flash decoding") when B x kv heads alone cannot fill the GPU:
-              in the long class, and in the short one for decode-shaped tree forwards,
-              with a second small kernel merging the splits. Registered as the torch op `ddserve::tree_attention` so
+              in the long class, and in the short one for tree forwards (decode, verify;
+              attention_triton.split_plan), with a second small kernel merging the splits. Registered as the torch op `ddserve::tree_attention` so
               torch.compile treats it as one opaque call.
 
 A prompt chunk whose rows all start at an empty context (a prompt's first chunk) and that runs
