@@ -5,7 +5,8 @@ pool layout, one launch per layer for 30 layers in one CUDA graph, as a step run
 and the key prefetch where the fused layers turn them on for that shape).
 
     python -m ddserve.bench.verify_attention [--shapes 1x1,1x8,1x16,1x32,4x16,16x16]
-        [--keys 256,2048] [--grid] [--name verify_attention] [--out bench/results]
+        [--keys 256,2048] [--grid] [--mode tree|full] [--name verify_attention]
+        [--out bench/results]
     python -m ddserve.bench.verify_attention --plot bench/results/NAME.json
 
 Per shape and context, side by side in one process: `default` (attention_triton.split_plan
@@ -39,7 +40,9 @@ def random_tree(w: int, gen: torch.Generator) -> torch.Tensor:
 
 
 class Case:
-    def __init__(self, b: int, w: int, keys: int, layers: int, dev: str = "cuda"):
+    def __init__(
+        self, b: int, w: int, keys: int, layers: int, dev: str = "cuda", mode: str = "tree"
+    ):
         from ddserve.engine import layer_launch as ll
 
         dev, dt = torch.device(dev), torch.bfloat16
@@ -54,16 +57,20 @@ class Case:
         self.rows = torch.arange(b, device=dev)
         self.past = (keys - torch.arange(b) % 7).clamp(min=0).to(dev)
         self.tree = torch.stack([random_tree(w, gen) for _ in range(b)]).to(dev)
+        # full: the drafter's block (every new row sees all W, its window's committed keys)
+        self.full = mode == "full"
+        self.window = torch.full((b,), 2048, device=dev) if self.full else None
         fused = b * w <= ll.FUSED_MAX_ROWS  # wider forwards attend outside the PDL chain
         self.pdl = fused and ll.pdl_on(dev, self.ctx, b, b * w)
         self.prefetch = fused and ll.prefetch_on(dev, self.ctx, b, b * w)
 
     def launch(self, kc, vc, splits=None, **tune):
-        from ddserve.engine.attention import TREE
+        from ddserve.engine.attention import FULL, TREE
         from ddserve.engine.attention_triton import launch
 
+        tree, mode = (None, FULL) if self.full else (self.tree, TREE)
         return launch(
-            self.q, kc, vc, self.rows, self.past, self.tree, None, self.w, TREE, self.ctx,
+            self.q, kc, vc, self.rows, self.past, tree, self.window, self.w, mode, self.ctx,
             splits, pdl=self.pdl, prefetch=self.prefetch, **tune,
         )  # fmt: skip
 
@@ -72,7 +79,8 @@ class Case:
         from ddserve.engine import attention_triton as T
 
         sms = T.multiprocessors(self.q.device)
-        return list(T.split_plan(self.b, self.w, NH // KVH, KVH, 0, self.ctx, sms))
+        mode = 2 if self.full else 0
+        return list(T.split_plan(self.b, self.w, NH // KVH, KVH, mode, self.ctx, sms))
 
     def time(self, splits=None, **tune) -> tuple[float, float]:
         """(us per layer, max abs difference of layer 0's output from the default's)."""
@@ -103,8 +111,8 @@ def measure(a) -> dict:
     for keys in (int(k) for k in a.keys.split(",")):
         for shape in a.shapes.split(","):
             b, w = (int(x) for x in shape.split("x"))
-            c = Case(b, w, keys, a.layers)
-            row = {"b": b, "w": w, "keys": keys, "ctx": c.ctx, "pdl": c.pdl}
+            c = Case(b, w, keys, a.layers, mode=a.mode)
+            row = {"b": b, "w": w, "keys": keys, "ctx": c.ctx, "pdl": c.pdl, "mode": a.mode}
             try:
                 T.SPLIT_TREE_MAX_ROWS = 16
                 row["before_plan"] = c.plan()
@@ -178,7 +186,8 @@ def plot(result: dict, path: Path) -> None:
         )
     ax.set_xticks(range(len(cases)), labels, fontsize=7)
     ax.set_ylabel("us per layer (30 layers in a CUDA graph)")
-    ax.set_title(f"tree attention, {result['device']}")
+    mode = cases[0].get("mode", "tree") if cases else "tree"
+    ax.set_title(f"{mode} attention, {result['device']}")
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -190,6 +199,13 @@ def main() -> int:
     ap.add_argument("--keys", default="256,2048")
     ap.add_argument("--layers", type=int, default=30)
     ap.add_argument("--grid", action="store_true", help="also sweep GRID")
+    ap.add_argument(
+        "--mode",
+        choices=["tree", "full"],
+        default="tree",
+        help="tree: a verify (random trees); full: the drafter's block (all W rows see each "
+        "other, a 2,048-key window)",
+    )
     ap.add_argument("--name", default="verify_attention")
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--plot", help="only draw NAME.png from a result JSON")
