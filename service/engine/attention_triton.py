@@ -227,8 +227,8 @@ def tuning(mode: int, w: int) -> dict:
 # GPU); in long ones as every forward does. Until 2026-12-06 only forwards of at most 16 folded
 # rows did either (the others: one program per kv head and query block of up to 64 rows over
 # all keys), so a verify of 1 x 16 tree rows (48 folded) ran 3 programs: 13.7 us a layer at
-# 256 keys on the H100, 5.9 now; 16 x 16 rows 14.8 -> 10.9; at 2,048 keys 15.4 -> ~9.9 and
-# 47.5 -> ~31 (bench.verify_attention, bench/NOTES.md "Twenty-third session"). Benchmarks
+# 256 keys on the H100, 5.9 now; 16 x 16 rows 15.4 -> 11.2; at 2,048 keys 15.4 -> 9.2 and
+# 48.0 -> 29.3 (bench.verify_attention, bench/NOTES.md "Twenty-third session"). Benchmarks
 # set both (bench.tuned)
 SPLIT_TREE_MAX_ROWS = 96
 WIDE_TREE_FILL = 0.55
