@@ -108,6 +108,7 @@ def engine_runs(
     m, tok = lm.model, lm.tokenizer
     prompts = chat_ids(tok, texts)
     rows, ref = [], None
+    against_ar = bool(configs) and configs[0].split("@")[0] == "ar"
     for name in configs:
         # @nofused: torch's layers (no fused triton kernels); @fused: fused also where auto
         # would not (fp32: the kernels' exact products against the reference)
@@ -161,13 +162,16 @@ def engine_runs(
                 "tau": round(toks / rounds, 3),
                 "draft_ms_per_round": round(draft / rounds * 1e3, 2),
                 "verify_ms_per_round": round(verify / rounds * 1e3, 2),
-                # greedy: prompts whose output equals the first config's (AR) token for token
+                # greedy: prompts whose output equals AR's token for token (AR: the first
+                # config; None without AR first: nothing to compare with)
                 "same_as_ar": (
                     f"{sum(o == r for o, r in zip(outs, ref, strict=True))}/{len(outs)}"
-                    if temperature == 0
+                    if temperature == 0 and against_ar
                     else None
                 ),
-                "divergences": (divergences(m, prompts, ref, outs) if temperature == 0 else None),
+                "divergences": (
+                    divergences(m, prompts, ref, outs) if temperature == 0 and against_ar else None
+                ),
             }
         )
         print(
