@@ -65,7 +65,7 @@ def grid_sets(name: str, rows: int, grids: str):
         sets.append(ll.launch_params(name, rows))  # the defaults, beside the others
     if "gemv" in grids and name in GEMV_GRID:
         k = SMOLLM2.intermediate_size if name == "down" else SMOLLM2.hidden_size
-        bm = min(ll.rows_key(rows), 16)
+        bm = min(ll.rows_key(rows), ll.GEMV_BLOCK_ROWS)
         for bn, bk, warps, stages in itertools.product(*GEMV_GRID[name].values()):
             if bm * bn * bk <= GEMV_MAX_ELEMENTS and not (stages > 1 and bk >= k):
                 sets.append((bn, bk, warps, stages))
@@ -183,15 +183,23 @@ def main() -> int:
         "kernel's default set only), gemv (the GEMV grid)",
     )
     ap.add_argument("--kernels", default="qkv,gate_up,o,down,attn")
+    ap.add_argument(
+        "--gemv-block-rows",
+        type=int,
+        help="the most rows a GEMV program takes (layer_launch.GEMV_BLOCK_ROWS; default its own)",
+    )
 
     a = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("ddserve.bench.layer_kernels times GPU kernels: it needs a GPU")
+    if a.gemv_block_rows:
+        ll.GEMV_BLOCK_ROWS = a.gemv_block_rows
     result = {
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,
         # PDL and the prefetches for 1 row, as the engine runs (GEMV forwards of more rows: off)
         "pdl": ll.pdl_on(torch.device("cuda")),
+        "gemv_block_rows": ll.GEMV_BLOCK_ROWS,
         "command": "python -m ddserve.bench.layer_kernels " + " ".join(sys.argv[1:]),
         "rows": {},
     }

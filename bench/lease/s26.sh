@@ -4,7 +4,8 @@
 #   the drafter's block attention (FULL mode, the rule unchanged there: 3 programs of 32-64
 #   rows for a block of 8-16) against the grid, as s25 found for tree forwards;
 #   the layer kernels at 8 and 16 rows on the tensor-core and GEMV grids (what a verify of
-#   one request's 8-16 tree rows spends outside attention: ~26 us a layer at 16 rows)
+#   one request's 8-16 tree rows spends outside attention: ~26 us a layer at 16 rows), and
+#   at 16 rows the GEMV grid in row blocks of 8 (layer_launch.GEMV_BLOCK_ROWS)
 . bench/device_env.sh /root/parts
 timeout 240 python3 -m pytest -q -p no:cacheprovider tests/engine/test_attention.py \
     tests/engine/test_layer_triton.py -k "not 65" 2>&1 | tail -6 | tee $OUT/gpu_tests.txt
@@ -15,5 +16,7 @@ timeout 150 python3 -m ddserve.bench.verify_attention --grid --mode full \
 echo "verify_attention: ${SECONDS}s"
 timeout 180 python3 -m ddserve.bench.layer_kernels --rows 8,16 --grids tc,gemv \
     --kernels qkv,gate_up,o,down --name lk-8-16 --out $OUT 2>&1 | grep -v Warning | tail -6
+timeout 120 python3 -m ddserve.bench.layer_kernels --rows 16 --grids gemv --gemv-block-rows 8 \
+    --kernels qkv,gate_up,o,down --name lk-16-gemv8 --out $OUT 2>&1 | grep -v Warning | tail -6
 rm -f $OUT/*.png 2>/dev/null || true
 echo "done at ${SECONDS}s"

@@ -22,10 +22,18 @@ def rows_key(m: int) -> int:
     return next_bucket(m, 1, 64)
 
 
+# the most rows a GEMV program takes (a forward of more runs several row blocks). 16: every
+# GEMV forward measured so far (1-8 rows) is one row block; at 16 rows the GEMV sets lost
+# 3-5x to tensor cores in 16-row blocks, and 8-row blocks there (qkv at 8 rows: 5.71 us on
+# GEMV against 8.34 on tensor cores) are not measured yet (bench.layer_kernels
+# --gemv-block-rows 8, bench/lease/s26.sh)
+GEMV_BLOCK_ROWS = 16
+
+
 def block_m(m: int, block_n: int) -> int:
     """Rows a program takes: tensor-core tiles take 16, 32 or 64; GEMV blocks (block_n < 16)
-    the forward's rows up to 16 (a 1-row forward computes no padding rows)."""
-    return next_bucket(m, 1, 16) if block_n < 16 else next_bucket(m, 16, 64)
+    the forward's rows up to GEMV_BLOCK_ROWS (a 1-row forward computes no padding rows)."""
+    return next_bucket(m, 1, GEMV_BLOCK_ROWS) if block_n < 16 else next_bucket(m, 16, 64)
 
 
 # Launch parameters per kernel and row class: (block_n, block_k, num_warps, num_stages);

@@ -280,6 +280,9 @@ def test_launch_parameters_by_row_class(monkeypatch):
         1, 2, 4, 4, 8, 16, 16, 32, 64, 64, 64,
     ]  # fmt: skip
     assert [L.block_m(m, 4) for m in (1, 3, 16, 40)] == [1, 4, 16, 16]
+    monkeypatch.setattr(L, "GEMV_BLOCK_ROWS", 8)  # GEMV row blocks of 8: a 16-row forward in two
+    assert [L.block_m(m, 4) for m in (1, 3, 8, 16, 40)] == [1, 4, 8, 8, 8]
+    assert L.block_m(16, 16) == 16  # tensor-core tiles keep 16
     assert [L.block_m(m, 16) for m in (1, 16, 17, 40)] == [16, 16, 32, 64]
     monkeypatch.setattr(L, "TUNE", {})
     monkeypatch.setattr(L, "DEFAULTS", {("o", 2): "d2", ("o", 16): "d16", ("o", 64): "d64"})
