@@ -22,12 +22,15 @@ def rows_key(m: int) -> int:
     return next_bucket(m, 1, 64)
 
 
-# the most rows a GEMV program takes (a forward of more runs several row blocks). 16: every
-# GEMV forward measured so far (1-8 rows) is one row block; at 16 rows the GEMV sets lost
-# 3-5x to tensor cores in 16-row blocks, and 8-row blocks there (qkv at 8 rows: 5.71 us on
-# GEMV against 8.34 on tensor cores) are not measured yet (bench.layer_kernels
-# --gemv-block-rows 8, bench/lease/s26.sh)
-GEMV_BLOCK_ROWS = 16
+# the most rows a GEMV program takes (a forward of more runs several row blocks; no default
+# set of today has GEMV at more than 8 rows). At 16 rows the GEMV sets lost 3-5x to tensor
+# cores in 16-row blocks; in two blocks of 8 qkv took 6.82 us against 8.43 on tensor cores
+# (gate/up, o, down still lost: 23.4 / 8.0 / 11.1 against 7.7 / 2.5 / 3.8), a 16-slot layer
+# 32.80 against 35.23 us without overlap (an H100, results/verify-attention/last/
+# lk-16-gemv8.json, `bench.layer_kernels --gemv-block-rows`). Not in DEFAULTS yet: a GEMV
+# qkv turns the overlap off for the 16-row forwards of 1-4 slots (OVERLAP_MAX_GEMV_ROWS),
+# which gave one request's 16-row verify ~4%; a verify step of each is for the next lease
+GEMV_BLOCK_ROWS = 8
 
 
 def block_m(m: int, block_n: int) -> int:

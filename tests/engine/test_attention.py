@@ -127,6 +127,7 @@ def test_split_plan_by_shape():
     assert plan(16, 16, mode=tree, ctx=short) == (16, 1)  # 144 blocks of 16 rows, unsplit
     assert plan(1, 64, mode=tree, ctx=short) == (64, 1)  # past SPLIT_TREE_MAX_ROWS
     assert plan(1, 16, mode=A.CAUSAL, ctx=short) == (64, 1)  # a prompt chunk, short context
+    assert plan(1, 8, mode=A.FULL, ctx=short) == (16, 8)  # the drafter's block: as a tree
     assert plan(1, 16, mode=tree, ctx=long) == (16, 32)  # long: 256 keys a split or more
     assert plan(16, 16, mode=tree, ctx=long) == (16, 3)  # at most 4 programs an SM
     assert plan(1, 64, mode=tree, ctx=long) == (64, 32)

@@ -64,9 +64,9 @@ def random_block(bias: bool, dtype, seed: int, head_dim: int = 32) -> Block:
 # (head_dim 64: two blocks a half) with one-step K loops (block_k past the input width)
 BLOCKS = {(k, bm): (16, 256, 4, 1) for k in ("qkv", "gate_up", "o", "down") for bm in (16, 64)}
 # GEMV sets (block_n < 16: products summed on the CUDA cores, a program's rows the forward's
-# up to 16): narrow column blocks with a K loop and masked K edges (block_k 64 over 96 and 160
-# inputs), and wider ones in one K step; every row class, so 18 and 65 rows take several
-# 16-row blocks
+# up to layer_launch.GEMV_BLOCK_ROWS, 8): narrow column blocks with a K loop and masked K edges
+# (block_k 64 over 96 and 160 inputs), and wider ones in one K step; every row class, so 12,
+# 18 and 65 rows take several row blocks
 GEMV = {(k, c): (4, 64, 4, 3) for k in ("qkv", "gate_up", "o", "down") for c in (16, 64)}
 GEMV_ONE_STEP = {(k, c): (2 if k == "qkv" else 8, 256, 2, 1) for k, c in GEMV}
 VARIANTS = {
@@ -273,16 +273,17 @@ def test_pdl_chain_equals_serial_launches(sets):
 def test_launch_parameters_by_row_class(monkeypatch):
     """A forward of m rows takes the entry of m rounded up to a power of two, else the next
     larger class up to its tile class (16 or 64 rows), TUNE's before DEFAULTS'; a GEMV set
-    (block_n < 16) takes the forward's rows up to 16 a program, a tensor-core set tiles of 16,
-    32 or 64; GEMV forwards of more than OVERLAP_MAX_GEMV_ROWS rows do not overlap."""
+    (block_n < 16) takes the forward's rows up to GEMV_BLOCK_ROWS (8) a program, a tensor-core
+    set tiles of 16, 32 or 64; GEMV forwards of more than OVERLAP_MAX_GEMV_ROWS rows do not
+    overlap."""
     L = layer_launch
     assert [L.rows_key(m) for m in (1, 2, 3, 4, 5, 9, 16, 17, 64, 65, 300)] == [
         1, 2, 4, 4, 8, 16, 16, 32, 64, 64, 64,
     ]  # fmt: skip
-    assert [L.block_m(m, 4) for m in (1, 3, 16, 40)] == [1, 4, 16, 16]
-    monkeypatch.setattr(L, "GEMV_BLOCK_ROWS", 8)  # GEMV row blocks of 8: a 16-row forward in two
-    assert [L.block_m(m, 4) for m in (1, 3, 8, 16, 40)] == [1, 4, 8, 8, 8]
+    assert [L.block_m(m, 4) for m in (1, 3, 8, 16, 40)] == [1, 4, 8, 8, 8]  # 16 rows: 2 blocks
     assert L.block_m(16, 16) == 16  # tensor-core tiles keep 16
+    monkeypatch.setattr(L, "GEMV_BLOCK_ROWS", 16)
+    assert [L.block_m(m, 4) for m in (1, 3, 16, 40)] == [1, 4, 16, 16]
     assert [L.block_m(m, 16) for m in (1, 16, 17, 40)] == [16, 16, 32, 64]
     monkeypatch.setattr(L, "TUNE", {})
     monkeypatch.setattr(L, "DEFAULTS", {("o", 2): "d2", ("o", 16): "d16", ("o", 64): "d64"})
