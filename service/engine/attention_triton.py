@@ -222,14 +222,13 @@ def tuning(mode: int, w: int) -> dict:
 
 # Tree forwards (verify, decode) and the drafter's blocks (FULL) of at most this many folded
 # query rows (G x W) take 16-row query blocks; in short contexts (<= 512 keys) they split their
-# keys (at least 64 a split)
-# up to about WIDE_TREE_FILL programs per multiprocessor when they have more than 16 folded
-# rows (fewer: as decode always did, up to 4 per multiprocessor where its blocks fit on the
-# GPU); in long ones as every forward does. Until 2026-12-06 only forwards of at most 16 folded
-# rows did either (the others: one program per kv head and query block of up to 64 rows over
-# all keys), so a verify of 1 x 16 tree rows (48 folded) ran 3 programs: 13.7 us a layer at
-# 256 keys on the H100, 5.9 now; 16 x 16 rows 15.4 -> 11.2; at 2,048 keys 15.4 -> 9.2 and
-# 48.0 -> 29.3; the drafter's block of 8 / 16 rows at 256 keys 9.0 / 9.5 -> 5.0 / 4.1 in
+# keys (at least 64 a split) up to about WIDE_TREE_FILL programs per multiprocessor when they
+# have more than 16 folded rows (fewer: as decode always did, up to 4 per multiprocessor where
+# its blocks fit on the GPU); in long ones as every forward does. Until 2026-12-06 only forwards
+# of at most 16 folded rows did either (the others: one program per kv head and query block of
+# up to 64 rows over all keys), so a verify of 1 x 16 tree rows (48 folded) ran 3 programs: 13.7
+# us a layer at 256 keys on the H100, 5.9 now; 16 x 16 rows 15.4 -> 11.2; at 2,048 keys 15.4 ->
+# 9.2 and 48.0 -> 29.3; the drafter's block of 8 / 16 rows at 256 keys 9.0 / 9.5 -> 5.0 / 4.1 in
 # the grid's best (16-row blocks, 8 splits: the rule's) (bench.verify_attention, bench/NOTES.md
 # "Twenty-third session"). Benchmarks set both (bench.tuned)
 SPLIT_TREE_MAX_ROWS = 96
@@ -239,14 +238,14 @@ WIDE_TREE_FILL = 0.55
 def split_plan(
     b: int, w: int, g: int, kvh: int, mode: int, ctx: int, sms: int, tune: dict | None = None
 ) -> tuple[int, int]:
-    """(query rows a program takes, key splits) of a forward of b requests x w rows, g query
-    heads per kv head, context class ctx, on sms multiprocessors. Depends only on shapes,
-    never on lengths, so a CUDA graph of one shape replays for every context. Long classes
-    split into at least 256 keys a split, up to 4 programs per multiprocessor; short ones only
-    tree and drafter-block forwards (see SPLIT_TREE_MAX_ROWS); never more than 32 splits. On the H200 at 256 keys
-    (one attention per layer in a chain, the merge included): 1 row 8.3 -> 4.8 us a layer
-    with 4 splits, 32 rows (B=32) 12.8 -> 8.6 ("Eleventh session"); on the H100 (above): at
-    1 x 16 tree rows 2-8 splits within 4% of one another, 4 x 16 best at 2, 8 x 16 and wider
+    """(query rows a program takes, key splits) of a forward of b requests x w rows, g query heads
+    per kv head, context class ctx, on sms multiprocessors. Depends only on shapes, never on
+    lengths, so a CUDA graph of one shape replays for every context. Long classes split into at
+    least 256 keys a split, up to 4 programs per multiprocessor; short ones only tree and
+    drafter-block forwards (see SPLIT_TREE_MAX_ROWS); never more than 32 splits. On the H200 at
+    256 keys (one attention per layer in a chain, the merge included): 1 row 8.3 -> 4.8 us a
+    layer with 4 splits, 32 rows (B=32) 12.8 -> 8.6 ("Eleventh session"); on the H100 (above):
+    at 1 x 16 tree rows 2-8 splits within 4% of one another, 4 x 16 best at 2, 8 x 16 and wider
     unsplit."""
     tune = tune or {}
     rows_g = g * w
