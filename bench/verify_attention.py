@@ -44,6 +44,7 @@ class Case:
         self, b: int, w: int, keys: int, layers: int, dev: str = "cuda", mode: str = "tree"
     ):
         from ddserve.engine import layer_launch as ll
+        from ddserve.engine.attention import FULL, TREE
 
         dev, dt = torch.device(dev), torch.bfloat16
         gen = torch.Generator().manual_seed(b * 1000 + w)
@@ -58,19 +59,20 @@ class Case:
         self.past = (keys - torch.arange(b) % 7).clamp(min=0).to(dev)
         self.tree = torch.stack([random_tree(w, gen) for _ in range(b)]).to(dev)
         # full: the drafter's block (every new row sees all W, its window's committed keys)
-        self.full = mode == "full"
-        self.window = torch.full((b,), 2048, device=dev) if self.full else None
+        full = mode == "full"
+        self.mode = FULL if full else TREE
+        self.window = torch.full((b,), 2048, device=dev) if full else None
         fused = b * w <= ll.FUSED_MAX_ROWS  # wider forwards attend outside the PDL chain
         self.pdl = fused and ll.pdl_on(dev, self.ctx, b, b * w)
         self.prefetch = fused and ll.prefetch_on(dev, self.ctx, b, b * w)
 
     def launch(self, kc, vc, splits=None, **tune):
-        from ddserve.engine.attention import FULL, TREE
+        from ddserve.engine.attention import TREE
         from ddserve.engine.attention_triton import launch
 
-        tree, mode = (None, FULL) if self.full else (self.tree, TREE)
+        tree = self.tree if self.mode == TREE else None
         return launch(
-            self.q, kc, vc, self.rows, self.past, tree, self.window, self.w, mode, self.ctx,
+            self.q, kc, vc, self.rows, self.past, tree, self.window, self.w, self.mode, self.ctx,
             splits, pdl=self.pdl, prefetch=self.prefetch, **tune,
         )  # fmt: skip
 
@@ -79,8 +81,7 @@ class Case:
         from ddserve.engine import attention_triton as T
 
         sms = T.multiprocessors(self.q.device)
-        mode = 2 if self.full else 0
-        return list(T.split_plan(self.b, self.w, NH // KVH, KVH, mode, self.ctx, sms))
+        return list(T.split_plan(self.b, self.w, NH // KVH, KVH, self.mode, self.ctx, sms))
 
     def time(self, splits=None, **tune) -> tuple[float, float]:
         """(us per layer, max abs difference of layer 0's output from the default's)."""
@@ -98,7 +99,9 @@ class Case:
 
 @torch.inference_mode()
 def measure(a) -> dict:
+    from ddserve.bench.layer_kernels import save
     from ddserve.engine import attention_triton as T
+    from ddserve.engine.static import next_bucket
 
     result = {
         "device": torch.cuda.get_device_name(),
@@ -125,7 +128,7 @@ def measure(a) -> dict:
             if a.grid:
                 rows_g = NH // KVH * w
                 for bm, s, bn, nw in itertools.product(*GRID.values()):
-                    if bm > max(16, 1 << (rows_g - 1).bit_length()):
+                    if bm > next_bucket(rows_g, 16, 64):
                         continue  # a query block past the rows: the next smaller one's work
                     try:
                         us, diff = c.time(s, block_m=bm, block_n=bn, num_warps=nw)
@@ -149,12 +152,6 @@ def measure(a) -> dict:
             save(result, a)
             del c
     return result
-
-
-def save(result: dict, a) -> None:
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"{a.name}.json").write_text(json.dumps(result, indent=1))
 
 
 def plot(result: dict, path: Path) -> None:
