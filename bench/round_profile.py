@@ -9,6 +9,13 @@ tree on the host, verify = its launch + the one sync, accept = packing + the acc
 commit), then the same rounds under cProfile: the functions with the most time of their
 own (`{method 'cpu' ...}` is the host waiting for the GPU; what the host does meanwhile is
 the rest). As served: CUDA graphs, the fused layers, GPU trees on a GPU. Writes NAME.json.
+
+With `--kernels N` (a GPU), N more rounds under torch.profiler: the GPU's own time per round
+(kernels and copies, inside CUDA graphs too) by the phase that launched it (`draft`: the
+drafter's forward and its trees, `verify`: the target's forward, `other`: the rest of the
+round: the argmax copy out, the KV moves), the GPU's busy time (their union) against the
+round's wall time, and each phase's costliest kernels: what the host adds to a round is
+wall - busy.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ import os
 import pstats
 import sys
 import time
+from collections import defaultdict
 from pathlib import Path
 
 import torch
@@ -61,8 +69,126 @@ def top_functions(prof: cProfile.Profile, rounds: int, n: int = 20) -> list[dict
     return rows[:n]
 
 
+PHASES = ("draft", "verify")  # record_function ranges "ddserve:<phase>"; else "other"
+GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
+
+
+def kernel_split(events: list[dict], rounds: int, wall_ms: float, top: int = 12) -> dict:
+    """A chrome trace's GPU events (kernels, copies, sets; `events` = its "traceEvents")
+    per round, by the phase whose host range ("ddserve:draft", "ddserve:verify") launched
+    them (linked by their correlation id to the runtime call; anything else is "other"):
+    ms and launches per round, the costliest `top` kernels of each phase, and the GPU's busy
+    time (the union of the events' intervals) against `wall_ms` per round."""
+    ranges = {ph: [] for ph in PHASES}
+    launches = {}  # correlation id -> the launching runtime call's host time
+    gpu = []
+    for e in events:
+        if e.get("ph") != "X":
+            continue
+        cat, name = e.get("cat", ""), e.get("name", "")
+        if cat == "user_annotation" and name.startswith("ddserve:"):
+            ph = name.removeprefix("ddserve:")
+            if ph in ranges:
+                ranges[ph].append((e["ts"], e["ts"] + e["dur"]))
+        elif cat == "cuda_runtime" or cat == "cuda_driver":
+            corr = e.get("args", {}).get("correlation")
+            if corr is not None:
+                launches[corr] = e["ts"]
+        elif cat in GPU_CATS:
+            gpu.append(e)
+
+    def phase_of(ts: float | None) -> str:
+        if ts is not None:
+            for ph, spans in ranges.items():
+                if any(a <= ts <= b for a, b in spans):
+                    return ph
+        return "other"
+
+    per = defaultdict(lambda: {"us": 0.0, "n": 0, "kernels": defaultdict(lambda: [0.0, 0])})
+    intervals = []
+    for e in gpu:
+        ph = phase_of(launches.get(e.get("args", {}).get("correlation")))
+        row = per[ph]
+        row["us"] += e["dur"]
+        row["n"] += 1
+        k = row["kernels"][e["name"][:90]]
+        k[0] += e["dur"]
+        k[1] += 1
+        intervals.append((e["ts"], e["ts"] + e["dur"]))
+    busy, end = 0.0, float("-inf")
+    for a, b in sorted(intervals):  # the union's length
+        if b > end:
+            busy += b - max(a, end)
+            end = b
+    out = {
+        "rounds": rounds,
+        "wall_ms": round(wall_ms, 4),
+        "gpu_busy_ms": round(busy / 1e3 / rounds, 4),
+        "gpu_idle_ms": round(wall_ms - busy / 1e3 / rounds, 4),
+        "phases": {},
+    }
+    for ph in (*PHASES, "other"):
+        if ph not in per:
+            continue
+        row = per[ph]
+        ks = sorted(row["kernels"].items(), key=lambda kv: -kv[1][0])[:top]
+        out["phases"][ph] = {
+            "gpu_ms": round(row["us"] / 1e3 / rounds, 4),
+            "launches": round(row["n"] / rounds, 2),
+            "top": [
+                {"kernel": n, "us": round(us / rounds, 2), "count": round(c / rounds, 2)}
+                for n, (us, c) in ks
+            ],
+        }
+    return out
+
+
+def traced(eng: StaticEngine, run, rounds: int) -> dict:
+    """`run(rounds)` under torch.profiler (CPU + CUDA), the drafter's and the target's
+    forwards in their named ranges; the trace's split (the trace itself is not kept)."""
+    import tempfile
+
+    from torch.profiler import ProfilerActivity, record_function
+    from torch.profiler import profile as torch_profile
+
+    def ranged(obj, attr: str, phase: str) -> None:
+        fn = getattr(obj, attr)
+
+        def wrapper(*args, **kwargs):
+            with record_function(f"ddserve:{phase}"):
+                return fn(*args, **kwargs)
+
+        setattr(obj, attr, wrapper)
+
+    if eng.sdraft is not None:
+        ranged(eng.sdraft, "forward", "draft")
+        ranged(eng.sdraft, "write_only", "draft")
+    ranged(eng.target, "forward", "verify")
+    acts = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
+    with torch_profile(activities=acts) as prof:
+        t0 = time.perf_counter()
+        run(rounds)
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    for obj, attrs in ((eng.sdraft, ("forward", "write_only")), (eng.target, ("forward",))):
+        for attr in attrs:
+            if obj is not None:
+                obj.__dict__.pop(attr, None)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(path))
+        events = json.loads(path.read_text())["traceEvents"]
+    return kernel_split(events, rounds, 1e3 * wall / rounds)
+
+
 def profile(
-    lm, name: str, batch: int, rounds: int, prompts: list[list[int]], turnover: int
+    lm,
+    name: str,
+    batch: int,
+    rounds: int,
+    prompts: list[list[int]],
+    turnover: int,
+    kernels: int = 0,
 ) -> dict:
     m = lm.model
     kind, budget, topk = REGISTRY[name]
@@ -134,6 +260,8 @@ def profile(
         "profiled_wall_ms_per_round": round(1e3 * wall_prof / rounds, 4),
         "top": top_functions(prof, rounds),
     }
+    if kernels and gpu:
+        row["kernels"] = traced(eng, run, kernels)
     for s in seqs:
         eng.release(s)
     if gpu:
@@ -143,7 +271,7 @@ def profile(
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--model", default="smollm2-135m", help="or random-smollm2 (no GGUF)")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--configs", default="ar,dflash-b0,dflash-b7k4")
     ap.add_argument("--batches", default="16,64")
@@ -156,6 +284,13 @@ def main() -> None:
         help="every this many rounds a request leaves and a new one joins, its prompt prefilled "
         "before the round (timed apart: prefill_ms; its drafter context is written in the "
         "round's draft, as served); 0: the same requests throughout",
+    )
+    ap.add_argument(
+        "--kernels",
+        type=int,
+        default=0,
+        help="then this many rounds under torch.profiler (a GPU): the GPU time per round by "
+        "phase (draft, verify, other), its busy time against the wall, the costliest kernels",
     )
     ap.add_argument("--name", default="round_profile")
     ap.add_argument("--out", default="bench/results")
@@ -171,7 +306,22 @@ def main() -> None:
         sys.exit(f"--batches {a.batches!r}: expected integers like 16,64")
     if a.rounds < 1 or min(batches) < 1:
         sys.exit("--rounds and --batches must be at least 1")
-    lm, prompts, machine = load_on(a.model, a.device, a.prompt_set)
+    if a.model == "random-smollm2":  # SmolLM2's shapes, random weights: the GPU's split
+        # (the drafter's trees find nothing to accept: its kernels' times, not its tau)
+        from types import SimpleNamespace
+
+        from ddserve.bench.engine_cpu import machine_name
+        from ddserve.bench.static_step import SMOLLM2
+        from ddserve.engine.weights import random_llama
+
+        device = a.device if a.device != "auto" else "cuda"
+        dtype = torch.bfloat16 if device == "cuda" else torch.float32
+        lm = SimpleNamespace(model=random_llama(SMOLLM2).to(device, dtype))
+        gen = torch.Generator().manual_seed(0)
+        prompts = [torch.randint(100, 40000, (120,), generator=gen).tolist() for _ in range(16)]
+        machine = machine_name(device)
+    else:
+        lm, prompts, machine = load_on(a.model, a.device, a.prompt_set)
     result = {
         "model": a.model,
         "machine": machine,
@@ -183,7 +333,7 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     for name in configs:
         for batch in batches:
-            row = profile(lm, name, batch, a.rounds, prompts, a.turnover)
+            row = profile(lm, name, batch, a.rounds, prompts, a.turnover, a.kernels)
             result["rows"].append(row)
             (out / f"{a.name}.json").write_text(json.dumps(result, indent=1))
     print(
@@ -198,6 +348,16 @@ def main() -> None:
         )
         for t in r["top"][:8]:
             print(f"      {t['own_ms']:7.3f} own {t['calls']:7.1f}x  {t['function']}")
+        if "kernels" in r:
+            k = r["kernels"]
+            print(
+                f"    GPU: wall {k['wall_ms']:.3f} busy {k['gpu_busy_ms']:.3f} "
+                f"idle {k['gpu_idle_ms']:.3f} ms a round (profiled)"
+            )
+            for ph, p in k["phases"].items():
+                print(f"    {ph:6s} {p['gpu_ms']:7.3f} ms {p['launches']:6.1f} launches")
+                for t in p["top"][:6]:
+                    print(f"        {t['us']:8.2f} us {t['count']:5.1f}x  {t['kernel'][:70]}")
 
 
 if __name__ == "__main__":
