@@ -7,7 +7,8 @@ timings won (apply_tune), in this process, then the module as `-m`.
 For a lease that measures the engine with parameters an earlier call of the same lease
 found, before they are written into layer_launch.DEFAULTS. A JSON may also hold
 "attention": {NAME: value} for the attention kernel's policy constants (ATTENTION_KNOBS), e.g.
-{"attention": {"SPLIT_TREE_MAX_ROWS": 16}} for the key-split rule of before 2026-12-06."""
+{"attention": {"SPLIT_TREE_MAX_ROWS": 16}} for the key-split rule of before 2026-12-06, and
+"engine": {NAME: value} for the static engine's switches (ENGINE_KNOBS)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,16 @@ from ddserve.engine import layer_launch as ll
 
 # ddserve.engine.attention_triton's module constants a JSON's "attention" may set
 ATTENTION_KNOBS = ("SPLIT_TREE_MAX_ROWS", "WIDE_TREE_FILL", "PREFETCH_KEYS")
+# ddserve.engine.static_engine's
+ENGINE_KNOBS = ("DRAFT_FUSED_LAYERS",)
+
+
+def _set_knobs(module, knobs: dict, known: tuple[str, ...], what: str) -> None:
+    unknown = sorted(set(knobs) - set(known))
+    if unknown:
+        sys.exit(f"ddserve.bench.tuned: unknown {what} knobs {unknown}; known: {known}")
+    for name, value in knobs.items():
+        setattr(module, name, value)
 
 
 def apply_tune(paths: str) -> dict:
@@ -30,21 +41,20 @@ def apply_tune(paths: str) -> dict:
     the compiled one with every fewer measured row count also won (row counts between two
     measured ones are taken to behave as the larger; the limit is never lowered). Returns
     what it set."""
-    res, knobs = {}, {}
+    res, knobs, engine = {}, {}, {}
     for path in paths.split(","):
         data = json.loads(Path(path).read_text())
         res.update(data.get("rows", {}))
         knobs.update(data.get("attention", {}))
+        engine.update(data.get("engine", {}))
     if knobs:
         from ddserve.engine import attention_triton
 
-        unknown = sorted(set(knobs) - set(ATTENTION_KNOBS))
-        if unknown:
-            sys.exit(
-                f"ddserve.bench.tuned: unknown attention knobs {unknown}; known: {ATTENTION_KNOBS}"
-            )
-        for name, value in knobs.items():
-            setattr(attention_triton, name, value)
+        _set_knobs(attention_triton, knobs, ATTENTION_KNOBS, "attention")
+    if engine:
+        from ddserve.engine import static_engine
+
+        _set_knobs(static_engine, engine, ENGINE_KNOBS, "engine")
     for rows in sorted(res, key=int, reverse=True):  # the fewest rows of a block set it last
         r = res[rows]
         for k, v in r.get("best", {}).items():
@@ -59,6 +69,7 @@ def apply_tune(paths: str) -> dict:
         "tune": {str(k): v for k, v in ll.TUNE.items()},
         "fused_max_rows": ll.FUSED_MAX_ROWS,
         "attention": knobs,
+        "engine": engine,
     }
 
 

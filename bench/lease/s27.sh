@@ -3,7 +3,8 @@
 # back. `CALL=N bash bench/lease/s27.sh`:
 #   0  carry .whl     `round_profile --kernels` on random SmolLM2 weights (the GPU's time by
 #                     phase: draft, verify, other; busy against wall; the costliest kernels)
-#                     at 1 and 4 requests, AR, b7k4, b15k4; then s26's verify steps of 16 rows
+#                     at 1 and 4 requests, AR, b7k4, b15k4; the drafter's layers fused at 1
+#                     (bench/results/round-profile/draft-fused.json); s26's verify steps of 16 rows
 #                     with qkv on GEMV in 8-row blocks against the default
 mkdir -p /root/parts
 cp .carry/q*/* /root/parts/ 2>/dev/null
@@ -15,6 +16,11 @@ case ${CALL:?} in
         --rounds 100 --kernels 30 --name rp-random --out $OUT 2>&1 |
         grep -v -e Warning -e warn
     echo "round_profile: ${SECONDS}s"
+    timeout 200 python3 -m ddserve.bench.tuned bench/results/round-profile/draft-fused.json \
+        ddserve.bench.round_profile --model random-smollm2 --device cuda \
+        --configs dflash-b7k4,dflash-b15k4 --batches 1 --rounds 100 --kernels 30 \
+        --name rp-random-draft-fused --out $OUT 2>&1 | grep -v -e Warning -e warn
+    echo "round_profile, the drafter fused: ${SECONDS}s"
     [ -n "${SKIP_STEPS:-}" ] || timeout 150 python3 -m ddserve.bench.static_step \
         --model random-smollm2 --attention triton --modes fused,fused+tuned \
         --fused-tune bench/results/verify-attention/last/lk-16-gemv8.json \

@@ -85,6 +85,10 @@ from ddserve.errors import EngineError
 
 log = logging.getLogger(__name__)
 
+# whether the DFlash drafter's block runs through the fused layer kernels where the target's
+# verify does (benchmarks' switch: `bench.tuned` {"engine": {"DRAFT_FUSED_LAYERS": true}})
+DRAFT_FUSED_LAYERS = False
+
 
 class StaticEngine(Prefill, Drafting, Accepting):
     """The algorithm over one target model and one drafter; no threads, no I/O. `slots`
@@ -150,9 +154,10 @@ class StaticEngine(Prefill, Drafting, Accepting):
                 self.pool.max_len,
                 self.pool.guard,
                 graphs,
-                # not fused: on the H200 its two-layer block drafted slower so (0.27 vs 0.21
-                # ms a round, bench/NOTES.md), where the target's AR step gained 10%
-                layer_fn=base_fn,
+                # not fused (DRAFT_FUSED_LAYERS): on the H200 its two-layer block drafted
+                # slower so (0.27 vs 0.21 ms a round, bench/NOTES.md), where the target's AR
+                # step gained 10%
+                layer_fn=layer_fn if DRAFT_FUSED_LAYERS else base_fn,
                 attention=self.attention,
             )
         # DFlash trees built on the GPU (ddserve.engine.tree_triton) where triton kernels run:
