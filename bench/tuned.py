@@ -21,8 +21,8 @@ from ddserve.engine import layer_launch as ll
 
 # ddserve.engine.attention_triton's module constants a JSON's "attention" may set
 ATTENTION_KNOBS = ("SPLIT_TREE_MAX_ROWS", "WIDE_TREE_FILL", "PREFETCH_KEYS")
-# ddserve.engine.static_engine's
-ENGINE_KNOBS = ("DRAFT_FUSED_LAYERS",)
+# the static engine's switches: name -> its module under ddserve.engine
+ENGINE_KNOBS = {"DRAFT_FUSED_LAYERS": "static_engine", "COMPILE_GLUE": "static_models"}
 
 
 def _set_knobs(module, knobs: dict, known: tuple[str, ...], what: str) -> None:
@@ -52,9 +52,13 @@ def apply_tune(paths: str) -> dict:
 
         _set_knobs(attention_triton, knobs, ATTENTION_KNOBS, "attention")
     if engine:
-        from ddserve.engine import static_engine
+        import importlib
 
-        _set_knobs(static_engine, engine, ENGINE_KNOBS, "engine")
+        unknown = sorted(set(engine) - set(ENGINE_KNOBS))
+        if unknown:
+            sys.exit(f"ddserve.bench.tuned: unknown engine knobs {unknown}; known: {ENGINE_KNOBS}")
+        for name, value in engine.items():
+            setattr(importlib.import_module(f"ddserve.engine.{ENGINE_KNOBS[name]}"), name, value)
     for rows in sorted(res, key=int, reverse=True):  # the fewest rows of a block set it last
         r = res[rows]
         for k, v in r.get("best", {}).items():

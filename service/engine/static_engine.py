@@ -139,6 +139,7 @@ class StaticEngine(Prefill, Drafting, Accepting):
             graphs,
             layer_fn=layer_fn,
             attention=self.attention,
+            compiled=compile,
         )
         self.pool = self.target.pool
         # a prompt's first chunk under graphs: up to the pool's width (attention.FRESH); with
@@ -159,6 +160,7 @@ class StaticEngine(Prefill, Drafting, Accepting):
                 # step gained 10%
                 layer_fn=layer_fn if DRAFT_FUSED_LAYERS else base_fn,
                 attention=self.attention,
+                compiled=compile,
             )
         # DFlash trees built on the GPU (ddserve.engine.tree_triton) where triton kernels run:
         # auto = with CUDA and triton; True off CUDA only under TRITON_INTERPRET (the tests)

@@ -67,9 +67,13 @@ class StaticTarget:
         guard: int = GUARD,
         layer_fn=layer_step,
         attention: str = "sdpa",
+        compiled: bool = False,
     ):
         self.model = model
         self.layer = layer_fn  # layer_step, or the engine's compiled version of it
+        # the verify's head (final norm, LM head, argmax and the finite flag) in a few
+        # kernels where the engine compiles (glue_compiled)
+        self.head = glue_compiled(self._head, compiled)
         # a prompt chunk outside a graph runs the plain layer: a compiled one meets new
         # (rows, width) with a guard to fail (dynamic shapes still specialise on ranges and
         # on sizes equal to the model's) and recompiles for seconds while others wait; on
@@ -203,9 +207,16 @@ class StaticTarget:
         taps = torch.cat(taps, dim=-1) if taps else None
         if not rows_are_slots:  # prefill: no logits (the prompt's last token is verified later)
             return None, None, taps
+        logits, top = self.head(x)
+        return logits, top, taps
+
+    def _head(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Logits [N, V] float32 of the last layer's outputs x [N, H], and [2, N]: each row's
+        argmax and whether all its logits are finite."""
+        m = self.model
         logits = linear(m.norm(x), m.lm_head.weight).float()
         top = torch.stack([logits.argmax(-1), torch.isfinite(logits).all(-1).long()])
-        return logits, top, taps
+        return logits, top
 
 
 def pack_target(tokens, pos, wpos, lens, rows, tree=None) -> np.ndarray:
@@ -234,10 +245,16 @@ class StaticDFlash:
         graphs: bool,
         layer_fn=layer_step,
         attention: str = "sdpa",
+        compiled: bool = False,
     ):
         self.d = drafter
         self.layer = layer_fn
         self.attention = attention
+        # the glue around its layers in a few kernels where the engine compiles: the context
+        # entries' keys/values, the block's inputs, the head's top k (glue_compiled)
+        self.context_entries = glue_compiled(self._context_entries, compiled)
+        self.block_inputs = glue_compiled(self._block_inputs, compiled)
+        self.top_k = glue_compiled(self._top_k, compiled)
         net = drafter.net
         for layer in net.layers:
             fuse_weights(layer)
@@ -310,12 +327,36 @@ class StaticDFlash:
 
     def _write_context(self, taps, rows, wpos) -> None:
         """The context keys/values of `taps` [B*Wn, ...] at positions `wpos` [B, Wn] of the
-        slots `rows` [B] (a draft graph's write: any positions, padding to guard entries)."""
-        c = self.c
+        slots `rows` [B] (a draft graph's write: any positions, padding to guard entries):
+        every layer's keys and values in one indexed write."""
+        self.pool.kv[:, :, rows[:, None], :, wpos] = self.context_entries(taps, wpos)
+
+    def _context_entries(self, taps, wpos) -> torch.Tensor:
+        """The keys and values of every layer for `taps` at `wpos` [B, Wn], as the pool's
+        indexed write takes them: [B, Wn, 2, layers, kvh, hd]."""
         b, wn = wpos.shape
-        for i, (k, v) in enumerate(self._context_kv(taps, wpos)):
-            self.pool.k[i][rows[:, None], :, wpos] = k.reshape(b, wn, c.num_kv_heads, c.head_dim)
-            self.pool.v[i][rows[:, None], :, wpos] = v.reshape(b, wn, c.num_kv_heads, c.head_dim)
+        per_layer = [torch.stack(kv) for kv in self._context_kv(taps, wpos)]  # [2, N, kvh, hd]
+        kv = torch.stack(per_layer, dim=1)  # [2, layers, N, kvh, hd]
+        return kv.permute(2, 0, 1, 3, 4).reshape(b, wn, *kv.shape[:2], *kv.shape[3:])
+
+    def _block_inputs(self, root, bpos, depth: int):
+        """The block [root, MASK x depth] of every row embedded, [B*(depth+1), H], and its
+        RoPE cos/sin at positions `bpos`."""
+        net, t = self.d.net, self.d.target
+        emb = t.embed_tokens(root)[:, None]  # [B, 1, H]
+        x = torch.cat([emb, net.mask_embedding.to(emb.dtype).expand(root.shape[0], depth, -1)], 1)
+        x = x.reshape(root.shape[0] * (depth + 1), -1)
+        cos, sin = net.rotary(bpos, x.dtype)
+        return x, cos, sin
+
+    def _top_k(self, x, b: int, depth: int, topk: int):
+        """The last layer's outputs x [B*(depth+1), H] -> the top `topk` log-probs and token
+        ids at each MASK position, [B*depth, topk] each (float32; ids in the target's
+        vocabulary)."""
+        hidden = self.d.net.norm(x).view(b, depth + 1, -1)[:, 1:].reshape(b * depth, -1)
+        logp = torch.log_softmax(linear(hidden, self.d.head).float(), dim=-1)
+        vals, idx = torch.topk(logp, min(topk, logp.shape[-1]), dim=-1)
+        return vals, (idx if self.vocab is None else self.vocab[idx])
 
     @torch.inference_mode()
     def forward(self, packed: np.ndarray, key: tuple):
@@ -326,7 +367,7 @@ class StaticDFlash:
     def _forward(self, key: tuple):
         b, depth, ctx, topk = key[:4]
         inp = self._inputs(key)
-        net, c, t = self.d.net, self.c, self.d.target
+        net, c = self.d.net, self.c
         wn, q = self.new_rows, depth + 1
         at = 0
 
@@ -342,20 +383,14 @@ class StaticDFlash:
         lens, window = take(b), take(b)
         rows = torch.arange(b, device=inp.device)
         self._write_context(self.feats[:b].flatten(0, 1), rows, cwpos)
-        emb = t.embed_tokens(root)[:, None]  # [B, 1, H]
-        x = torch.cat([emb, net.mask_embedding.to(emb.dtype).expand(b, depth, -1)], dim=1)
-        x = x.reshape(b * q, -1)
-        cos, sin = net.rotary(bpos, x.dtype)
+        x, cos, sin = self.block_inputs(root, bpos, depth)
         groups = c.num_heads // c.num_kv_heads
         attn = plan(self.attention, lens, FULL, None, q, ctx, groups, x.dtype, window)
         for i, layer in enumerate(net.layers):
             x = self.layer(
                 layer, x, cos, sin, self.pool.k[i], self.pool.v[i], rows, bwpos, attn, True
             )
-        hidden = net.norm(x).view(b, q, -1)[:, 1:].reshape(b * depth, -1)
-        logp = torch.log_softmax(linear(hidden, self.d.head).float(), dim=-1)
-        vals, idx = torch.topk(logp, min(topk, logp.shape[-1]), dim=-1)
-        ids = idx if self.vocab is None else self.vocab[idx]
+        vals, ids = self.top_k(x, b, depth, topk)
         if len(key) == 4:  # the top-k to the host, which builds the trees
             return torch.stack([vals.double(), ids.double()]).view(2, b, depth, -1)
         from ddserve.engine.tree_triton import build_trees  # where triton is
@@ -363,6 +398,19 @@ class StaticDFlash:
         budget, width = key[4:]  # the trees here, as the verify's inputs
         lp, ids = vals.double().view(b, depth, -1), ids.view(b, depth, -1)
         return build_trees(lp, ids, root, lens, budget, lp.shape[-1], width)
+
+
+# whether glue_compiled compiles (benchmarks' switch: `bench.tuned` {"engine":
+# {"COMPILE_GLUE": false}} runs the glue eagerly, as before 2026-12-06)
+COMPILE_GLUE = True
+
+
+def glue_compiled(fn, compiled: bool):
+    """`fn` (a forward's glue between its layers: norms, RoPE angles, embeddings, heads)
+    through torch.compile where the engine compiles (a GPU): under a CUDA graph each of its
+    small eager kernels costs ~2-3 us of the step; inductor fuses them into a few.
+    dynamic=True: one compilation serves every batch and width."""
+    return torch.compile(fn, dynamic=True) if compiled and COMPILE_GLUE else fn
 
 
 def pack_draft(cwpos, root, bwpos, bpos, lens, window) -> np.ndarray:

@@ -585,6 +585,30 @@ def test_compiled_layers_decode_like_eager_ones(tiny):
         assert run_lockstep(eng, PROMPTS, sampling, params, join_late={2}) == alone
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=cuda)])
+def test_compiled_glue_drafts_and_verifies_like_the_reference(device):
+    """With compile on, the forwards' glue is compiled too (static_models.glue_compiled: the
+    drafter's context entries written in one indexed write, its block's inputs, its top k;
+    the verify's head): a DFlash engine's greedy tokens (fp32) equal the reference engine's,
+    alone and in lockstep, at two tree shapes; on a GPU under CUDA graphs, with the trees
+    built there."""
+    model = random_llama(tiny_config(vocab_size=512), seed=3).to(device)
+    draft = random_dflash(model).to(device)
+    ref = ReferenceEngine(model, ReferenceDFlash(draft, model), 6, ())
+    eng = StaticEngine(
+        model, DFlashDrafter(draft, model), 6, (), slots=4, max_context=256,
+        graphs=device == "cuda", compile=True,
+    )  # fmt: skip
+    for budget, topk in [(8, 2), (3, 1)]:
+        params = LiveParams(budget=budget, topk=topk)
+        alone = [
+            ref.generate(p, SamplingParams(max_tokens=n), params).output
+            for p, n in zip(PROMPTS[:3], LENGTHS[:3], strict=True)
+        ]
+        sampling = [SamplingParams(max_tokens=n) for n in LENGTHS[:3]]
+        assert run_lockstep(eng, PROMPTS[:3], sampling, params, join_late={2}) == alone
+
+
 @pytest.mark.parametrize(
     "chunk,steps,overlap,device",
     [
