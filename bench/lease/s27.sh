@@ -10,6 +10,13 @@
 #                     with the drafter's layers fused (draft-fused.json); the GPU tree build
 #                     before (tree_triton_before.py) vs now (`bench.tree_build`); s26's verify
 #                     steps of 16 rows with qkv on GEMV in 8-row blocks against the default
+#   1  carry .carry/q1    (the GGUF's first part; nothing else)
+#   2  carry .carry/q2b   (its second part)
+#   3  carry .carry/q3b .carry/old   the real weights: C=1 greedy through the engine (16
+#                     held-out prompts, 128 tokens, bf16), the session's start (.carry/old:
+#                     `git archive ec72aa5 service | tar -x -C .carry/old
+#                     --exclude=service/engine/dflash_weights`) against this tree, alternated
+#                     twice; fp32 greedy == AR (this tree); round_profile --kernels at C=1
 mkdir -p /root/parts
 cp .carry/q*/* /root/parts/ 2>/dev/null
 . bench/device_env.sh /root/parts
@@ -38,6 +45,26 @@ case ${CALL:?} in
         --fused-tune bench/results/verify-attention/last/lk-16-gemv8.json \
         --batches 1,4,16 --widths 16 --context 256 --name steps-gemv16 --out $OUT 2>&1 |
         grep -v Warning | tail -8
+    ;;
+1 | 2) ls -la /root/parts | tail -3 ;;
+3)
+    . bench/lease/old_env.sh
+    for r in 1 2; do
+        for v in old new; do
+            pp=/tmp/pp; [ $v = old ] && pp=/tmp/pp-old
+            PYTHONPATH=$pp:/tmp/site:$root timeout 120 python3 -m ddserve.bench.engine_cpu \
+                --device cuda --prompt-set heldout:16 --max-tokens 128 \
+                --configs ${CONFIGS:-ar,dflash-b7k4,dflash-b15k4} --sampled-configs "" \
+                --no-server --name c1-r$r-$v --out $OUT 2>&1 | quiet | tail -5
+            echo "c1-r$r-$v: ${SECONDS}s"
+        done
+    done
+    timeout 150 python3 -m ddserve.bench.engine_cpu --device cuda --dtype float32 \
+        --prompt-set heldout:16 --max-tokens 128 --configs ar,dflash-b15k4 --sampled-configs "" \
+        --no-server --name fp32 --out $OUT 2>&1 | quiet | tail -4
+    echo "fp32: ${SECONDS}s"
+    timeout 120 python3 -m ddserve.bench.round_profile --device cuda --configs ar,dflash-b15k4 \
+        --batches 1 --rounds 100 --kernels 30 --name rp-real --out $OUT 2>&1 | quiet
     ;;
 esac
 rm -f $OUT/*.png 2>/dev/null || true
