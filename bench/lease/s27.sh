@@ -10,7 +10,8 @@
 #                     with the drafter's layers fused (draft-fused.json); the GPU tree build
 #                     before (tree_triton_before.py) vs now (`bench.tree_build`); s26's verify
 #                     steps of 16 rows with qkv on GEMV in 8-row blocks against the default
-#   1  carry .carry/q1    (the GGUF's first part; nothing else)
+#   1  carry .whl .carry/q1   (the GGUF's first part) call 0's GPU tests, tree build and
+#                     round_profile at C=1 (ar, b15k4), this tree only
 #   2  carry .carry/q2b   (its second part)
 #   3  carry .carry/q3b .carry/old   the real weights: C=1 greedy through the engine (16
 #                     held-out prompts, 128 tokens, bf16), the session's start (.carry/old:
@@ -46,7 +47,16 @@ case ${CALL:?} in
         --batches 1,4,16 --widths 16 --context 256 --name steps-gemv16 --out $OUT 2>&1 |
         grep -v Warning | tail -8
     ;;
-1 | 2) ls -la /root/parts | tail -3 ;;
+1)  # carry .whl .carry/q1 (the short plan: call 0's essentials while the GGUF goes over)
+    timeout 150 python3 -m pytest -q -p no:cacheprovider tests/engine/test_tree_triton.py \
+        tests/engine/test_static_engine.py -k "tree or compiled_glue" 2>&1 |
+        tail -4 | tee $OUT/gpu_tests.txt
+    echo "tests: ${SECONDS}s"
+    timeout 100 python3 -m ddserve.bench.tree_build --against $R/tree_triton_before.py \
+        --out $OUT 2>&1 | tail -8
+    RP_S=150 rp rp-random ar,dflash-b15k4 1
+    ;;
+2) ls -la /root/parts | tail -3 ;;
 3)
     . bench/lease/old_env.sh
     for r in 1 2; do
