@@ -10,16 +10,16 @@
 #                     with the drafter's layers fused (draft-fused.json); the GPU tree build
 #                     before (tree_triton_before.py) vs now (`bench.tree_build`); s26's verify
 #                     steps of 16 rows with qkv on GEMV in 8-row blocks against the default
-#   1  carry .whl .carry/q1   (the GGUF's first part) call 0's GPU tests, tree build and
+#   1  carry .whl .carry/r1   (the GGUF's first part) call 0's GPU tests, tree build and
 #                     round_profile at C=1 (ar, b15k4), this tree only
-#   2  carry .carry/q2b   (its second part)
-#   3  carry .carry/q3b .carry/old   the real weights: C=1 greedy through the engine (16
+#   2  carry .carry/r2    (its second part)
+#   3  carry .carry/r3 .carry/old   the real weights: C=1 greedy through the engine (16
 #                     held-out prompts, 128 tokens, bf16), the session's start (.carry/old:
 #                     `git archive ec72aa5 service | tar -x -C .carry/old
 #                     --exclude=service/engine/dflash_weights`) against this tree, alternated
 #                     twice; fp32 greedy == AR (this tree); round_profile --kernels at C=1
 mkdir -p /root/parts
-cp .carry/q*/* /root/parts/ 2>/dev/null
+cp .carry/r*/* /root/parts/ 2>/dev/null  # the GGUF in three parts, .carry/r1..r3
 . bench/device_env.sh /root/parts
 R=bench/results/round-profile
 rp() {  # NAME CONFIGS BATCHES [TUNED_JSON]
