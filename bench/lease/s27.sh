@@ -2,14 +2,12 @@
 # the engine's verify read 1.55 ms where the step alone takes 1.07), and the round's glue
 # compiled, the GPU tree build with no memory access per step. One lease, calls back to back.
 # `CALL=N bash bench/lease/s27.sh`:
-#   0  carry .whl     GPU tests (the tree build; the compiled glue's engine, fp32 under
-#                     graphs); `round_profile --kernels` on random SmolLM2 weights (the GPU's
-#                     time by phase: draft, verify, other; busy against wall; the costliest
-#                     kernels) at 1 and 4 requests, AR, b7k4, b15k4; at 1 the same with the
-#                     glue eager (bench/results/round-profile/glue-eager.json: as before) and
-#                     with the drafter's layers fused (draft-fused.json); the GPU tree build
-#                     before (tree_triton_before.py) vs now (`bench.tree_build`); s26's verify
-#                     steps of 16 rows with qkv on GEMV in 8-row blocks against the default
+#   0  carry .whl .carry/old   GPU tests (the tree build; the compiled glue's engine, fp32
+#                     under graphs); the GPU tree build before (tree_triton_before.py) vs now
+#                     (`bench.tree_build`); `round_profile --kernels` on random SmolLM2
+#                     weights at C=1 (the GPU's time by phase: draft, verify, other; busy
+#                     against wall; the costliest kernels), AR and b15k4, the session's start
+#                     (.carry/old) against this tree, alternated twice
 #   1  carry .whl .carry/r1   (the GGUF's first part) call 0's GPU tests, tree build and
 #                     round_profile at C=1 (ar, b15k4), this tree only
 #   2  carry .carry/r2    (its second part)
@@ -31,21 +29,24 @@ rp() {  # NAME CONFIGS BATCHES [TUNED_JSON]
     echo "$1: ${SECONDS}s"
 }
 case ${CALL:?} in
-0)
+0)  # carry .whl .carry/old (the session's start: ec72aa5's service/, as call 3 says)
+    . bench/lease/old_env.sh
     timeout 150 python3 -m pytest -q -p no:cacheprovider tests/engine/test_tree_triton.py \
         tests/engine/test_static_engine.py -k "tree or compiled_glue" 2>&1 |
         tail -4 | tee $OUT/gpu_tests.txt
     echo "tests: ${SECONDS}s"
-    rp rp-random ar,dflash-b7k4,dflash-b15k4 1,4
-    rp rp-random-glue-eager ar,dflash-b15k4 1 $R/glue-eager.json
-    rp rp-random-draft-fused dflash-b15k4 1 $R/draft-fused.json
-    timeout 100 python3 -m ddserve.bench.tree_build --against $R/tree_triton_before.py \
-        --out $OUT 2>&1 | tail -8
-    [ -n "${SKIP_STEPS:-}" ] || timeout 120 python3 -m ddserve.bench.static_step \
-        --model random-smollm2 --attention triton --modes fused,fused+tuned \
-        --fused-tune bench/results/verify-attention/last/lk-16-gemv8.json \
-        --batches 1,4,16 --widths 16 --context 256 --name steps-gemv16 --out $OUT 2>&1 |
-        grep -v Warning | tail -8
+    timeout 100 python3 -m ddserve.bench.tree_build \
+        --against bench/results/round-profile/tree_triton_before.py --out $OUT 2>&1 | tail -8
+    for r in 1 2; do
+        for v in old new; do
+            pp=/tmp/pp; [ $v = old ] && pp=/tmp/pp-old
+            PYTHONPATH=$pp:/tmp/site:$root timeout 150 python3 -m ddserve.bench.round_profile \
+                --model random-smollm2 --device cuda --configs ${CONFIGS:-ar,dflash-b15k4} \
+                --batches 1 --rounds 100 --kernels 30 --name rp-r$r-$v --out $OUT 2>&1 |
+                grep -v -e Warning -e warn
+            echo "rp-r$r-$v: ${SECONDS}s"
+        done
+    done
     ;;
 1)  # carry .whl .carry/q1 (the short plan: call 0's essentials while the GGUF goes over)
     timeout 150 python3 -m pytest -q -p no:cacheprovider tests/engine/test_tree_triton.py \
