@@ -144,20 +144,21 @@ def build_trees(
     b, depth, columns = top_lp.shape
     k = min(k, columns)  # fewer candidates than asked (a small vocabulary): only those
     dev = top_lp.device
-    if not top_lp.is_contiguous() or top_ids.stride() != top_lp.stride():
-        top_lp, top_ids = top_lp.contiguous(), top_ids.contiguous()
+    # contiguous, so a depth's entries are `columns` apart (is_contiguous ignores the stride
+    # of a size-1 dimension: a lone depth's may be anything)
+    top_lp, top_ids = top_lp.contiguous(), top_ids.contiguous()
     tok = torch.empty(b, width, dtype=torch.int64, device=dev)
     pos, par = torch.empty_like(tok), torch.empty_like(tok)
     logw = torch.empty(b, width, dtype=torch.float64, device=dev)
     mask = torch.empty(b, width, width, dtype=torch.int64, device=dev)
     steps = size_bound(budget, depth, k)  # no more nodes exist: no empty steps past them
     frontier = triton.next_power_of_2(2 * steps + 1)
-    table = triton.next_power_of_2(depth * top_lp.stride(1))  # the top-k entries read
+    table = triton.next_power_of_2(depth * columns)  # the top-k entries read
     rows = min(width, max(1, 4096 // width))  # mask rows a step of its loop takes
     small = width * rows <= 1024 and table <= 256 and frontier <= 256
     _build[(b,)](
         top_lp, top_ids, root, lens, tok, pos, par, logw, mask,
-        top_lp.stride(0), top_lp.stride(1), depth, k, steps,
+        depth * columns, columns, depth, k, steps,
         W=width, F=frontier, T=table, R=rows, DMAX=min(depth, steps) + 1,
         num_warps=1 if small else 4,
     )  # fmt: skip
