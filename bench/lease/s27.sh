@@ -37,7 +37,7 @@ case ${CALL:?} in
     echo "tests: ${SECONDS}s"
     timeout 100 python3 -m ddserve.bench.tree_build \
         --against bench/results/round-profile/tree_triton_before.py --out $OUT 2>&1 | tail -8
-    for r in 1 2; do
+    for r in $(seq ${AB:-2}); do  # alternations
         for v in old new; do
             pp=/tmp/pp; [ $v = old ] && pp=/tmp/pp-old
             PYTHONPATH=$pp:/tmp/site:$root timeout 150 python3 -m ddserve.bench.round_profile \
