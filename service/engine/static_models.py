@@ -406,11 +406,30 @@ COMPILE_GLUE = True
 
 
 def glue_compiled(fn, compiled: bool):
-    """`fn` (a forward's glue between its layers: norms, RoPE angles, embeddings, heads)
-    through torch.compile where the engine compiles (a GPU): under a CUDA graph each of its
-    small eager kernels costs ~2-3 us of the step; inductor fuses them into a few.
-    dynamic=True: one compilation serves every batch and width."""
-    return torch.compile(fn, dynamic=True) if compiled and COMPILE_GLUE else fn
+    """`fn` (a forward's glue between its layers: norms, RoPE angles, embeddings, heads; pure
+    functions of their inputs) through torch.compile where the engine compiles (a GPU): under
+    a CUDA graph each of its small eager kernels costs ~2-3 us of the step; inductor fuses
+    them into a few. dynamic=True: one compilation serves every batch and width. If the
+    compiled function fails outside a graph capture (the first calls, in the warm-up, compile
+    it), the glue runs eagerly from then on (logged): slower, never down."""
+    if not (compiled and COMPILE_GLUE):
+        return fn
+    use = [torch.compile(fn, dynamic=True)]
+
+    def glue(*args, **kwargs):
+        f = use[0]
+        if f is fn:
+            return fn(*args, **kwargs)
+        try:
+            return f(*args, **kwargs)
+        except Exception as exc:  # noqa: BLE001 - a compiler failure: the eager glue
+            if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+                raise
+            log.warning("compiled %s failed (%s); it runs eagerly", fn.__name__, exc)
+            use[0] = fn
+            return fn(*args, **kwargs)
+
+    return glue
 
 
 def pack_draft(cwpos, root, bwpos, bpos, lens, window) -> np.ndarray:

@@ -1049,3 +1049,28 @@ def test_an_idle_engine_prefills_a_long_prompt_in_one_forward(tiny, drafter):
     for other in pools[1:]:
         for a, b in zip(pools[0], other, strict=True):
             assert a.shape == b.shape and torch.allclose(a, b, atol=1e-5)
+
+
+def test_compiled_glue_that_fails_runs_eagerly(monkeypatch, caplog):
+    """A compiler failure at the glue's first call (the warm-up) is logged and the glue runs
+    eagerly from then on: the same result, the engine up."""
+    from ddserve.engine import static_models
+
+    calls = []
+
+    def broken(fn, **kwargs):
+        def run(*args):
+            calls.append("compiled")
+            raise RuntimeError("inductor could not lower this")
+
+        return run
+
+    monkeypatch.setattr(torch, "compile", broken)
+    glue = static_models.glue_compiled(lambda x: x * 2, True)
+    assert glue(torch.ones(2)).tolist() == [2.0, 2.0]
+    assert glue(torch.ones(2)).tolist() == [2.0, 2.0]
+    assert calls == ["compiled"]  # tried once, then eager
+    assert "runs eagerly" in caplog.text
+    monkeypatch.setattr(static_models, "COMPILE_GLUE", False)
+    plain = lambda x: x  # noqa: E731
+    assert static_models.glue_compiled(plain, True) is plain
