@@ -29,6 +29,21 @@ rp() {  # NAME CONFIGS BATCHES [TUNED_JSON]
     echo "$1: ${SECONDS}s"
 }
 case ${CALL:?} in
+short)  # carry .whl .carry/old: what call 0 measures, the most telling first (a short lease)
+    . bench/lease/old_env.sh
+    timeout 60 python3 -m ddserve.bench.tree_build \
+        --against bench/results/round-profile/tree_triton_before.py --out $OUT 2>&1 | tail -8
+    for v in new old; do
+        pp=/tmp/pp; [ $v = old ] && pp=/tmp/pp-old
+        PYTHONPATH=$pp:/tmp/site:$root timeout 100 python3 -m ddserve.bench.round_profile \
+            --model random-smollm2 --device cuda --configs dflash-b15k4,ar --batches 1 \
+            --rounds 100 --kernels 20 --name rp-$v --out $OUT 2>&1 | grep -v -e Warning -e warn
+        echo "rp-$v: ${SECONDS}s"
+    done
+    timeout 90 python3 -m pytest -q -p no:cacheprovider tests/engine/test_tree_triton.py \
+        tests/engine/test_static_engine.py -k "tree or compiled_glue" 2>&1 |
+        tail -4 | tee $OUT/gpu_tests.txt
+    ;;
 0)  # carry .whl .carry/old (the session's start: ec72aa5's service/, as call 3 says)
     . bench/lease/old_env.sh
     timeout 150 python3 -m pytest -q -p no:cacheprovider tests/engine/test_tree_triton.py \
