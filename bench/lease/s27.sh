@@ -29,6 +29,12 @@ rp() {  # NAME CONFIGS BATCHES [TUNED_JSON]
     echo "$1: ${SECONDS}s"
 }
 case ${CALL:?} in
+tiny)  # carry .whl: the tree build before/now and its GPU tests (~2 min)
+    timeout 60 python3 -m ddserve.bench.tree_build --against $R/tree_triton_before.py \
+        --out $OUT 2>&1 | tail -8
+    timeout 60 python3 -m pytest -q -p no:cacheprovider tests/engine/test_tree_triton.py 2>&1 |
+        tail -3 | tee $OUT/gpu_tests_tree.txt
+    ;;
 short)  # carry .whl .carry/old: what call 0 measures, the most telling first (a short lease)
     . bench/lease/old_env.sh
     timeout 60 python3 -m ddserve.bench.tree_build \
