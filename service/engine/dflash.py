@@ -15,7 +15,7 @@ copied):
 
 Only the drafter's own weights are stored (a few MB): `save_dflash` / `load_dflash`.
 `DFlashDrafter` holds the weights, the target and the draft vocabulary; the engine runs it
-batched over its own KV pool (`ddserve.engine.static_models.StaticDFlash`), writing each
+batched over its own KV pool (`ddserve.engine.static_dflash.StaticDFlash`), writing each
 request's context keys/values once, so a round only projects the newly committed tokens.
 """
 

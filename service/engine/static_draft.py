@@ -21,7 +21,7 @@ from ddserve.config.engine import MAX_TOPK, LiveParams
 from ddserve.engine.drafters import DraftContext
 from ddserve.engine.sequence import Sequence
 from ddserve.engine.static import next_bucket
-from ddserve.engine.static_models import pack_draft
+from ddserve.engine.static_dflash import pack_draft
 from ddserve.engine.tree import DeviceTrees, Tree, build_tree, build_tree_top, size_bound
 from ddserve.errors import EngineError
 

@@ -67,13 +67,9 @@ from ddserve.engine.static import (
     next_bucket,
 )
 from ddserve.engine.static_accept import Accepting
+from ddserve.engine.static_dflash import StaticDFlash
 from ddserve.engine.static_draft import Drafting
-from ddserve.engine.static_models import (
-    StaticDFlash,
-    StaticTarget,
-    pack_target,
-    slots_that_fit,
-)
+from ddserve.engine.static_models import StaticTarget, pack_target, slots_that_fit
 from ddserve.engine.static_prefill import (
     PREFILL_CHUNKS,
     PREFILL_CHUNKS_LONG,

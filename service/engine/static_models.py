@@ -1,4 +1,5 @@
-"""The target and the DFlash drafter as fixed-shape forwards over KV pools (ddserve.engine.static).
+"""The target as a fixed-shape forward over a KV pool (ddserve.engine.static; the DFlash
+drafter's: ddserve.engine.static_dflash), the forwards' compiled glue, the pool's size.
 
 Each call takes its integer inputs packed in one host tensor (one host->device copy), runs
 under a CUDA graph keyed by its shape when graphs are on, and returns output tensors that the
@@ -19,9 +20,9 @@ import numpy as np
 import torch
 
 from ddserve.config.engine import MAX_BUDGET
-from ddserve.engine.attention import CAUSAL, FRESH, FULL, TREE, plan, plan_ragged
+from ddserve.engine.attention import CAUSAL, FRESH, TREE, plan, plan_ragged
 from ddserve.engine.dflash import DFlashDrafter
-from ddserve.engine.llama import Llama, apply_rope, linear
+from ddserve.engine.llama import Llama, linear
 from ddserve.engine.static import (
     GraphCache,
     KVPool,
@@ -129,7 +130,7 @@ class StaticTarget:
         self, packed: np.ndarray, b: int, w: int, ctx: int, rows_are_slots: bool, trees=None
     ):
         """`trees`: (tokens, positions [B, W], mask [B, W, W]) on the device, built there
-        (StaticDFlash): they replace the packed ones, device to device, with no sync (the
+        (static_dflash.StaticDFlash): they replace the packed ones, device to device, with no sync (the
         packed inputs then stop before the tree mask: pack_target without one)."""
         key = (rows_are_slots, b, w, ctx)
         if not rows_are_slots and self.prefill_eager(key):
@@ -228,178 +229,6 @@ def pack_target(tokens, pos, wpos, lens, rows, tree=None) -> np.ndarray:
     return np.concatenate(parts)
 
 
-class StaticDFlash:
-    """A DFlash drafter over its own KV pool (its context keys/values, one slot per request,
-    slots shared with the target's). One call: write the keys/values of the newly committed
-    tokens' features, then run the block [root, MASK x D] of every row; returns the top
-    log-probs and token ids per depth [2, B, D, K] (float64), key (B, D, ctx, K); or, with key
-    (B, D, ctx, K, budget, W), each row's tree built on the GPU from its top K per depth
-    (ddserve.engine.tree_triton.build_trees: tokens, positions, parents, weights, mask)."""
-
-    def __init__(
-        self,
-        drafter,
-        slots: int,
-        max_len: int,
-        guard: int,
-        graphs: bool,
-        layer_fn=layer_step,
-        attention: str = "sdpa",
-        compiled: bool = False,
-    ):
-        self.d = drafter
-        self.layer = layer_fn
-        self.attention = attention
-        # the glue around its layers in a few kernels where the engine compiles: the context
-        # entries' keys/values, the block's inputs, the head's top k (glue_compiled)
-        self.context_entries = glue_compiled(self._context_entries, compiled)
-        self.block_inputs = glue_compiled(self._block_inputs, compiled)
-        self.top_k = glue_compiled(self._top_k, compiled)
-        net = drafter.net
-        for layer in net.layers:
-            fuse_weights(layer)
-        self.c = c = net.c
-        self.block = c.block_size
-        # feature rows a slot buffers: one round's root + accepted path at most, or the
-        # roots of budget-0 rounds, which defer the context write until the rows are full
-        self.new_rows = c.block_size + 1
-        self.pool = KVPool(
-            c, c.num_layers, slots, max_len, guard, drafter.target.device, drafter.target.dtype
-        )
-        self.graphs = GraphCache(graphs, "dflash")
-        self.inputs: dict[tuple, torch.Tensor] = {}
-        self.staging = Staging()
-        # tapped target outputs of each slot's newly committed tokens, copied here right
-        # after the verify that produced them; the next draft writes their keys/values
-        t = drafter.target
-        width = len(c.target_layers) * c.hidden_size
-        self.feats = torch.zeros(slots, self.new_rows, width, device=t.device, dtype=t.dtype)
-        self.vocab = None if drafter.vocab is None else drafter.vocab.to(drafter.target.device)
-
-    @torch.inference_mode()
-    def write_only(self, cwpos: np.ndarray) -> None:
-        """Write the buffered context entries without a draft (budget-0 rounds, once a
-        slot's feature rows are full)."""
-        b = cwpos.shape[0]
-        key = ("ctx", b)
-        inp = self._inputs(key)
-        self.staging.copy(inp, cwpos.ravel())
-
-        def fn():  # every tensor the graph reads is made inside it or lives on (no temporaries)
-            rows = torch.arange(b, device=inp.device)
-            self._write_context(self.feats[:b].flatten(0, 1), rows, inp.view(b, -1))
-
-        self.graphs.run(key, fn)
-
-    def _inputs(self, key: tuple) -> torch.Tensor:
-        """Integer inputs of a draft key (B, D, ctx, K) or of a context-only key ("ctx", B)."""
-        if key not in self.inputs:
-            if key[0] == "ctx":  # the context write positions alone
-                n = key[1] * self.new_rows
-            else:
-                b, depth = key[:2]
-                n = b * self.new_rows + b + 2 * b * (depth + 1) + 2 * b
-            self.inputs[key] = torch.zeros(n, dtype=torch.long, device=self.feats.device)
-        return self.inputs[key]
-
-    @torch.inference_mode()
-    def extend(self, slot: int, start: int, taps: torch.Tensor) -> None:
-        """Eagerly write the context keys/values of many committed tokens (a prompt's) at
-        positions start.. of one slot: contiguous, so each layer's keys and values go in by
-        one slice copy (no index tensors: on the H200 the indexed writes and the index's
-        host-to-device copy made a newcomer's catch-up ~0.9 ms of host time, bench/NOTES.md)."""
-        n = taps.shape[0]
-        wpos = torch.arange(start, start + n, device=taps.device)
-        for i, (k, v) in enumerate(self._context_kv(taps.to(self.d.target.dtype), wpos)):
-            self.pool.k[i][slot, :, start : start + n] = k.transpose(0, 1)
-            self.pool.v[i][slot, :, start : start + n] = v.transpose(0, 1)
-
-    def _context_kv(self, taps, wpos):
-        """Per drafter layer, the context keys (RoPE applied) and values [N, kvh, hd] of the
-        tapped features `taps` [N, taps*H] at positions `wpos` (N of them, any shape)."""
-        net, c = self.d.net, self.c
-        feats = net.project(taps)  # [N, H]
-        cos, sin = net.rotary(wpos.reshape(-1), feats.dtype)
-        for layer in net.layers:
-            kv = linear(feats, layer.qkv_weight[c.num_heads * c.head_dim :])
-            k, v = kv.view(-1, 2 * c.num_kv_heads, c.head_dim).chunk(2, dim=1)
-            yield apply_rope(k, cos[:, None], sin[:, None]), v
-
-    def _write_context(self, taps, rows, wpos) -> None:
-        """The context keys/values of `taps` [B*Wn, ...] at positions `wpos` [B, Wn] of the
-        slots `rows` [B] (a draft graph's write: any positions, padding to guard entries):
-        every layer's keys and values in one indexed write."""
-        self.pool.kv[:, :, rows[:, None], :, wpos] = self.context_entries(taps, wpos)
-
-    def _context_entries(self, taps, wpos) -> torch.Tensor:
-        """The keys and values of every layer for `taps` at `wpos` [B, Wn], as the pool's
-        indexed write takes them: [B, Wn, 2, layers, kvh, hd]."""
-        b, wn = wpos.shape
-        per_layer = [torch.stack(kv) for kv in self._context_kv(taps, wpos)]  # [2, N, kvh, hd]
-        kv = torch.stack(per_layer, dim=1)  # [2, layers, N, kvh, hd]
-        return kv.permute(2, 0, 1, 3, 4).reshape(b, wn, *kv.shape[:2], *kv.shape[3:])
-
-    def _block_inputs(self, root, bpos, depth: int):
-        """The block [root, MASK x depth] of every row embedded, [B*(depth+1), H], and its
-        RoPE cos/sin at positions `bpos`."""
-        net, t = self.d.net, self.d.target
-        emb = t.embed_tokens(root)[:, None]  # [B, 1, H]
-        x = torch.cat([emb, net.mask_embedding.to(emb.dtype).expand(root.shape[0], depth, -1)], 1)
-        x = x.reshape(root.shape[0] * (depth + 1), -1)
-        cos, sin = net.rotary(bpos, x.dtype)
-        return x, cos, sin
-
-    def _top_k(self, x, b: int, depth: int, topk: int):
-        """The last layer's outputs x [B*(depth+1), H] -> the top `topk` log-probs and token
-        ids at each MASK position, [B*depth, topk] each (float32; ids in the target's
-        vocabulary)."""
-        hidden = self.d.net.norm(x).view(b, depth + 1, -1)[:, 1:].reshape(b * depth, -1)
-        logp = torch.log_softmax(linear(hidden, self.d.head).float(), dim=-1)
-        vals, idx = torch.topk(logp, min(topk, logp.shape[-1]), dim=-1)
-        return vals, (idx if self.vocab is None else self.vocab[idx])
-
-    @torch.inference_mode()
-    def forward(self, packed: np.ndarray, key: tuple):
-        inp = self._inputs(key)
-        self.staging.copy(inp, packed)
-        return self.graphs.run(key, lambda: self._forward(key))
-
-    def _forward(self, key: tuple):
-        b, depth, ctx, topk = key[:4]
-        inp = self._inputs(key)
-        net, c = self.d.net, self.c
-        wn, q = self.new_rows, depth + 1
-        at = 0
-
-        def take(size):
-            nonlocal at
-            at += size
-            return inp[at - size : at]
-
-        cwpos = take(b * wn).view(b, wn)
-        root = take(b)
-        bwpos = take(b * q).view(b, q)
-        bpos = take(b * q)
-        lens, window = take(b), take(b)
-        rows = torch.arange(b, device=inp.device)
-        self._write_context(self.feats[:b].flatten(0, 1), rows, cwpos)
-        x, cos, sin = self.block_inputs(root, bpos, depth)
-        groups = c.num_heads // c.num_kv_heads
-        attn = plan(self.attention, lens, FULL, None, q, ctx, groups, x.dtype, window)
-        for i, layer in enumerate(net.layers):
-            x = self.layer(
-                layer, x, cos, sin, self.pool.k[i], self.pool.v[i], rows, bwpos, attn, True
-            )
-        vals, ids = self.top_k(x, b, depth, topk)
-        if len(key) == 4:  # the top-k to the host, which builds the trees
-            return torch.stack([vals.double(), ids.double()]).view(2, b, depth, -1)
-        from ddserve.engine.tree_triton import build_trees  # where triton is
-
-        budget, width = key[4:]  # the trees here, as the verify's inputs
-        lp, ids = vals.double().view(b, depth, -1), ids.view(b, depth, -1)
-        return build_trees(lp, ids, root, lens, budget, lp.shape[-1], width)
-
-
 # whether glue_compiled compiles (benchmarks' switch: `bench.tuned` {"engine":
 # {"COMPILE_GLUE": false}} runs the glue eagerly, as before 2026-12-06)
 COMPILE_GLUE = True
@@ -430,10 +259,6 @@ def glue_compiled(fn, compiled: bool):
             return fn(*args, **kwargs)
 
     return glue
-
-
-def pack_draft(cwpos, root, bwpos, bpos, lens, window) -> np.ndarray:
-    return np.concatenate([cwpos.ravel(), root, bwpos.ravel(), bpos.ravel(), lens, window])
 
 
 def slots_that_fit(model, drafter, slots: int, max_context: int, fraction: float) -> int:

@@ -26,7 +26,8 @@ from ddserve.engine.drafters import NoDrafter
 from ddserve.engine.sampling import SamplingParams
 from ddserve.engine.sequence import Sequence
 from ddserve.engine.static import next_bucket
-from ddserve.engine.static_models import FRESH_CTX, pack_draft, pack_target
+from ddserve.engine.static_dflash import pack_draft
+from ddserve.engine.static_models import FRESH_CTX, pack_target
 
 log = logging.getLogger(__name__)
 
