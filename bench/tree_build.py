@@ -7,22 +7,23 @@ checked equal to this one's.
     python -m ddserve.bench.tree_build [--shapes 1x15x4,4x15x4,16x7x4,64x7x4] [--depth 8]
         [--against old.py] [--name tree_build] [--out bench/results]
 
-Writes NAME.json: per shape (BxBUDGETxK) and version, µs a call (CUDA graph of 20 calls,
-replayed, the median of 5)."""
+Writes NAME.json: per shape (BxBUDGETxK) and version, µs a call (a CUDA graph of 20 calls,
+replayed 20 times: layer_kernels.graph_ms)."""
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import sys
-from pathlib import Path
 
 import torch
 
+from ddserve.bench.layer_kernels import graph_ms, save
 from ddserve.engine import tree_triton
 from ddserve.engine.static import next_bucket
 from ddserve.engine.tree import size_bound
+
+CALLS = 20  # tree builds in the timed graph
 
 
 def load_version(path: str):
@@ -39,29 +40,6 @@ def inputs(b: int, depth: int, k: int, seed: int = 0):
     root = torch.randint(0, 16384, (b,), device="cuda", generator=g)
     lens = torch.randint(10, 500, (b,), device="cuda", generator=g)
     return lp.double(), ids, root, lens
-
-
-def time_calls(fn, calls: int = 20, reps: int = 5) -> float:
-    """µs a call: `calls` calls captured in one CUDA graph, replayed `reps` times."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(calls):
-            fn()
-    times = []
-    for _ in range(reps):
-        a, z = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        z.record()
-        z.synchronize()
-        times.append(1e3 * a.elapsed_time(z) / calls)
-    return sorted(times)[len(times) // 2]
 
 
 def main() -> None:
@@ -92,20 +70,20 @@ def main() -> None:
         for name, mod in versions.items():
             call = lambda m=mod, args=args: m.build_trees(*args)  # noqa: E731
             outs[name] = [t.clone() for t in call()]
-            row["us"][name] = round(time_calls(call), 2)
+            # CALLS calls in one CUDA graph, replayed (layer_kernels.graph_ms): us a call
+            calls = lambda call=call: [call() for _ in range(CALLS)]  # noqa: E731
+            row["us"][name] = round(1e3 * graph_ms(calls) / CALLS, 2)
         if len(outs) == 2:
             row["equal"] = all(torch.equal(x, y) for x, y in zip(*outs.values(), strict=True))
         rows.append(row)
         print(row, flush=True)
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
     result = {
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "command": "python -m ddserve.bench.tree_build " + " ".join(sys.argv[1:]),
         "rows": rows,
     }
-    (out / f"{a.name}.json").write_text(json.dumps(result, indent=1))
+    save(result, a)
 
 
 if __name__ == "__main__":

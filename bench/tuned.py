@@ -12,6 +12,7 @@ found, before they are written into layer_launch.DEFAULTS. A JSON may also hold
 
 from __future__ import annotations
 
+import importlib
 import json
 import runpy
 import sys
@@ -19,18 +20,20 @@ from pathlib import Path
 
 from ddserve.engine import layer_launch as ll
 
-# ddserve.engine.attention_triton's module constants a JSON's "attention" may set
-ATTENTION_KNOBS = ("SPLIT_TREE_MAX_ROWS", "WIDE_TREE_FILL", "PREFETCH_KEYS")
-# the static engine's switches: name -> its module under ddserve.engine
+# module constants a JSON may set, name -> its module under ddserve.engine: "attention",
+# the attention kernel's policy; "engine", the static engine's switches
+ATTENTION_KNOBS = dict.fromkeys(
+    ("SPLIT_TREE_MAX_ROWS", "WIDE_TREE_FILL", "PREFETCH_KEYS"), "attention_triton"
+)
 ENGINE_KNOBS = {"DRAFT_FUSED_LAYERS": "static_engine", "COMPILE_GLUE": "static_models"}
 
 
-def _set_knobs(module, knobs: dict, known: tuple[str, ...], what: str) -> None:
+def _set_knobs(knobs: dict, known: dict[str, str], what: str) -> None:
     unknown = sorted(set(knobs) - set(known))
     if unknown:
-        sys.exit(f"ddserve.bench.tuned: unknown {what} knobs {unknown}; known: {known}")
+        sys.exit(f"ddserve.bench.tuned: unknown {what} knobs {unknown}; known: {sorted(known)}")
     for name, value in knobs.items():
-        setattr(module, name, value)
+        setattr(importlib.import_module(f"ddserve.engine.{known[name]}"), name, value)
 
 
 def apply_tune(paths: str) -> dict:
@@ -47,18 +50,8 @@ def apply_tune(paths: str) -> dict:
         res.update(data.get("rows", {}))
         knobs.update(data.get("attention", {}))
         engine.update(data.get("engine", {}))
-    if knobs:
-        from ddserve.engine import attention_triton
-
-        _set_knobs(attention_triton, knobs, ATTENTION_KNOBS, "attention")
-    if engine:
-        import importlib
-
-        unknown = sorted(set(engine) - set(ENGINE_KNOBS))
-        if unknown:
-            sys.exit(f"ddserve.bench.tuned: unknown engine knobs {unknown}; known: {ENGINE_KNOBS}")
-        for name, value in engine.items():
-            setattr(importlib.import_module(f"ddserve.engine.{ENGINE_KNOBS[name]}"), name, value)
+    _set_knobs(knobs, ATTENTION_KNOBS, "attention")
+    _set_knobs(engine, ENGINE_KNOBS, "engine")
     for rows in sorted(res, key=int, reverse=True):  # the fewest rows of a block set it last
         r = res[rows]
         for k, v in r.get("best", {}).items():

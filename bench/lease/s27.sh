@@ -3,7 +3,7 @@
 # compiled, the GPU tree build with no memory access per step. One lease, calls back to back.
 # `CALL=N bash bench/lease/s27.sh`:
 #   0  carry .whl .carry/old   GPU tests (the tree build; the compiled glue's engine, fp32
-#                     under graphs); the GPU tree build before (tree_triton_before.py) vs now
+#                     under graphs); the GPU tree build before (.carry/old's tree_triton.py) vs now
 #                     (`bench.tree_build`); `round_profile --kernels` on random SmolLM2
 #                     weights at C=1 (the GPU's time by phase: draft, verify, other; busy
 #                     against wall; the costliest kernels), AR and b15k4, the session's start
@@ -29,8 +29,8 @@ rp() {  # NAME CONFIGS BATCHES [TUNED_JSON]
     echo "$1: ${SECONDS}s"
 }
 case ${CALL:?} in
-tiny)  # carry .whl: the tree build before/now and its GPU tests (~2 min)
-    timeout 60 python3 -m ddserve.bench.tree_build --against $R/tree_triton_before.py \
+tiny)  # carry .whl .carry/old: the tree build before/now and its GPU tests (~2 min)
+    timeout 60 python3 -m ddserve.bench.tree_build --against .carry/old/service/engine/tree_triton.py \
         --out $OUT 2>&1 | tail -8
     timeout 60 python3 -m pytest -q -p no:cacheprovider tests/engine/test_tree_triton.py 2>&1 |
         tail -3 | tee $OUT/gpu_tests_tree.txt
@@ -38,7 +38,7 @@ tiny)  # carry .whl: the tree build before/now and its GPU tests (~2 min)
 short)  # carry .whl .carry/old: what call 0 measures, the most telling first (a short lease)
     . bench/lease/old_env.sh
     timeout 60 python3 -m ddserve.bench.tree_build \
-        --against bench/results/round-profile/tree_triton_before.py --out $OUT 2>&1 | tail -8
+        --against .carry/old/service/engine/tree_triton.py --out $OUT 2>&1 | tail -8
     for v in new old; do
         pp=/tmp/pp; [ $v = old ] && pp=/tmp/pp-old
         PYTHONPATH=$pp:/tmp/site:$root timeout 100 python3 -m ddserve.bench.round_profile \
@@ -57,7 +57,7 @@ short)  # carry .whl .carry/old: what call 0 measures, the most telling first (a
         tail -4 | tee $OUT/gpu_tests.txt
     echo "tests: ${SECONDS}s"
     timeout 100 python3 -m ddserve.bench.tree_build \
-        --against bench/results/round-profile/tree_triton_before.py --out $OUT 2>&1 | tail -8
+        --against .carry/old/service/engine/tree_triton.py --out $OUT 2>&1 | tail -8
     for r in $(seq ${AB:-2}); do  # alternations
         for v in old new; do
             pp=/tmp/pp; [ $v = old ] && pp=/tmp/pp-old
@@ -74,7 +74,7 @@ short)  # carry .whl .carry/old: what call 0 measures, the most telling first (a
         tests/engine/test_static_engine.py -k "tree or compiled_glue" 2>&1 |
         tail -4 | tee $OUT/gpu_tests.txt
     echo "tests: ${SECONDS}s"
-    timeout 100 python3 -m ddserve.bench.tree_build --against $R/tree_triton_before.py \
+    timeout 100 python3 -m ddserve.bench.tree_build --against .carry/old/service/engine/tree_triton.py \
         --out $OUT 2>&1 | tail -8
     RP_S=150 rp rp-random ar,dflash-b15k4 1
     ;;
