@@ -194,6 +194,7 @@ def main() -> None:
             # MODE+tuned where there are any (beside the defaults, in one run), else for all
             max_rows = layer_launch.FUSED_MAX_ROWS if max_rows is None else max_rows
             layer_launch.TUNE.clear()
+            layer_launch.SPLIT_K.clear()
             layer_launch.FUSED_MAX_ROWS = max_rows
             if a.fused_tune and (spec.endswith("+tuned") or not any_tuned):
                 from ddserve.bench.tuned import apply_tune

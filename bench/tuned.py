@@ -8,7 +8,9 @@ For a lease that measures the engine with parameters an earlier call of the same
 found, before they are written into layer_launch.DEFAULTS. A JSON may also hold
 "attention": {NAME: value} for the attention kernel's policy constants (ATTENTION_KNOBS), e.g.
 {"attention": {"SPLIT_TREE_MAX_ROWS": 16}} for the key-split rule of before 2026-12-06, and
-"engine": {NAME: value} for the static engine's switches (ENGINE_KNOBS)."""
+"engine": {NAME: value} for the static engine's switches (ENGINE_KNOBS), and "split_k":
+{"KERNEL:ROWS": programs} for the layer kernels' split-K (layer_launch.SPLIT_K, per kernel
+and row class), e.g. {"split_k": {"qkv:16": 3, "down:16": 3}}."""
 
 from __future__ import annotations
 
@@ -44,14 +46,23 @@ def apply_tune(paths: str) -> dict:
     the compiled one with every fewer measured row count also won (row counts between two
     measured ones are taken to behave as the larger; the limit is never lowered). Returns
     what it set."""
-    res, knobs, engine = {}, {}, {}
+    res, knobs, engine, splits = {}, {}, {}, {}
     for path in paths.split(","):
         data = json.loads(Path(path).read_text())
         res.update(data.get("rows", {}))
         knobs.update(data.get("attention", {}))
         engine.update(data.get("engine", {}))
+        splits.update(data.get("split_k", {}))
     _set_knobs(knobs, ATTENTION_KNOBS, "attention")
     _set_knobs(engine, ENGINE_KNOBS, "engine")
+    for key, n in splits.items():
+        kernel, _, rows = key.partition(":")
+        if kernel not in ll.KERNELS or not rows.isdigit() or ll.rows_key(int(rows)) != int(rows):
+            sys.exit(
+                f"ddserve.bench.tuned: split_k key {key!r} is not KERNEL:ROWS "
+                f"(kernels {list(ll.KERNELS)}, rows a power of two up to 64)"
+            )
+        ll.SPLIT_K[(kernel, int(rows))] = int(n)
     for rows in sorted(res, key=int, reverse=True):  # the fewest rows of a block set it last
         r = res[rows]
         for k, v in r.get("best", {}).items():
@@ -67,6 +78,7 @@ def apply_tune(paths: str) -> dict:
         "fused_max_rows": ll.FUSED_MAX_ROWS,
         "attention": knobs,
         "engine": engine,
+        "split_k": splits,
     }
 
 

@@ -78,6 +78,11 @@ DEFAULTS = {
 }
 TUNE: dict[tuple[str, int], tuple[int, int, int, int]] = {}
 
+# Split-K (ddserve.engine.layer_split): per kernel and row class (rows_key, exactly), the
+# programs a tile's K loop is spread over (at most: whole block_k steps each). None by
+# default until a GPU measures it (benchmarks set it: bench.tuned's "layer" knobs)
+SPLIT_K: dict[tuple[str, int], int] = {}
+
 # Hopper and later. PDL, programmatic dependent launch: each kernel lets the next one start
 # as it starts, and the next one waits for it only before it reads activations, so a chain
 # of small kernels overlaps its launches. PREFETCH: a program first has its weight rows
@@ -124,6 +129,11 @@ def launch_params(kernel: str, m: int) -> tuple[int, int, int, int]:
                 return table[(kernel, k)]
             k *= 2
     return DEFAULTS[(kernel, tile)]  # unreachable: DEFAULTS holds both tile classes
+
+
+def split_k(kernel: str, m: int) -> int:
+    """The programs each output tile of `kernel` spreads its K loop over, for m rows."""
+    return SPLIT_K.get((kernel, rows_key(m)), 1)
 
 
 def pdl_on(device: torch.device, ctx: int = 0, batch: int = 1, rows: int = 1) -> bool:

@@ -40,7 +40,23 @@ import triton.language as tl
 
 from ddserve.engine import layer_launch
 from ddserve.engine.attention import attend
-from ddserve.engine.layer_launch import block_m, launch_params, pdl_on, prefetch_bytes, prefetch_on
+from ddserve.engine.layer_launch import (
+    block_m,
+    launch_params,
+    pdl_on,
+    prefetch_bytes,
+    prefetch_on,
+    split_k,
+)
+from ddserve.engine.layer_split import (
+    floats,
+    k_range,
+    plan,
+    reduce1,
+    reduce2,
+    share_bytes,
+    workspace,
+)
 from ddserve.engine.triton_hopper import (
     launch_kwargs,
     launch_next,
@@ -83,12 +99,12 @@ def _mac(a, w, IEEE: tl.constexpr, GEMV: tl.constexpr):
 
 @triton.jit
 def _qkv_rope(
-    X, NW, Wqkv, Bias, Cos, Sin, Q, KC, VC, Rows, Wpos,
+    X, NW, Wqkv, Bias, Cos, Sin, Q, KC, VC, Rows, Wpos, WS, Cnt,
     M, H, W, NH, KVH, eps,
     sx, sw, sc, sq_n, sq_h, sk_s, sk_h, sk_l,
     HD: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, GEMV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    PREFETCH: tl.constexpr, PDL: tl.constexpr,
+    PREFETCH: tl.constexpr, PDL: tl.constexpr, SPLIT: tl.constexpr,
 ):  # fmt: skip
     HALF: tl.constexpr = HD // 2
     BLOCKS: tl.constexpr = HALF // BLOCK_N  # column blocks per rotary half
@@ -98,11 +114,13 @@ def _qkv_rope(
     j = (pid % BLOCKS) * BLOCK_N + tl.arange(0, BLOCK_N)  # columns of the first rotary half
     col = head * HD + j  # ... in Wqkv; the second half's are col + HALF
     all_n = j < HALF
+    k_lo, k_hi = k_range(H, BLOCK_K, SPLIT)  # the input columns this program walks
     launch_next(PDL)
     if PREFETCH > 0:  # the program's weight rows into L2 while the previous kernel runs
-        nbytes = tl.full([BLOCK_N], PREFETCH, tl.int32)
-        prefetch_l2(Wqkv + col * sw, nbytes)
-        prefetch_l2(Wqkv + (col + HALF) * sw, nbytes)
+        es: tl.constexpr = Wqkv.dtype.element_ty.primitive_bitwidth // 8
+        nbytes = tl.full([BLOCK_N], share_bytes(PREFETCH, k_lo, k_hi, es, SPLIT), tl.int32)
+        prefetch_l2(Wqkv + col * sw + k_lo, nbytes)
+        prefetch_l2(Wqkv + (col + HALF) * sw + k_lo, nbytes)
     m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     m_ok = m < M
     # each row's slot and write position before the wait: the forward's inputs, copied in
@@ -115,12 +133,31 @@ def _qkv_rope(
     lo = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     hi = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     ss = tl.zeros([BLOCK_M], tl.float32)
-    for k0 in range(0, H, BLOCK_K):
+    for k0 in range(k_lo, k_hi, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         h, sq = _x_chunk(X, sx, NW, m, m_ok, k, H)
         ss += sq
         lo += _mac(h, _rows(Wqkv, col, all_n, sw, k, H), IEEE, GEMV)
         hi += _mac(h, _rows(Wqkv, col + HALF, all_n, sw, k, H), IEEE, GEMV)
+    if SPLIT > 1:
+        lo, hi, ss, last = reduce2(WS, Cnt, lo, hi, ss, pid_m * tl.num_programs(0) + pid,
+                                   SPLIT, BLOCK_M, BLOCK_N)  # fmt: skip
+        if last:
+            _qkv_out(lo, hi, ss, Bias, Cos, Sin, Q, KC, VC, m, m_ok, slot, pos, head, j, col,
+                     H, NH, KVH, eps, sc, sq_n, sq_h, sk_s, sk_h, sk_l, HD, HAS_BIAS)  # fmt: skip
+    else:
+        _qkv_out(lo, hi, ss, Bias, Cos, Sin, Q, KC, VC, m, m_ok, slot, pos, head, j, col,
+                 H, NH, KVH, eps, sc, sq_n, sq_h, sk_s, sk_h, sk_l, HD, HAS_BIAS)  # fmt: skip
+
+
+@triton.jit
+def _qkv_out(
+    lo, hi, ss, Bias, Cos, Sin, Q, KC, VC, m, m_ok, slot, pos, head, j, col,
+    H, NH, KVH, eps, sc, sq_n, sq_h, sk_s, sk_h, sk_l,
+    HD: tl.constexpr, HAS_BIAS: tl.constexpr,
+):  # fmt: skip
+    """_qkv_rope's epilogue: the norm's scale, the bias, RoPE; q out, k and v into the pool."""
+    HALF: tl.constexpr = HD // 2
     rstd = (1.0 / tl.sqrt(ss / H + eps))[:, None]
     lo = lo * rstd
     hi = hi * rstd
@@ -159,32 +196,46 @@ def _qkv_rope(
 
 @triton.jit
 def _gate_up(
-    X, NW, Wgu, Out, M, H, INTER, eps, sx, sw, so,
+    X, NW, Wgu, Out, WS, Cnt, M, H, INTER, eps, sx, sw, so,
     IEEE: tl.constexpr, GEMV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr, SPLIT: tl.constexpr,
 ):  # fmt: skip
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < INTER
+    k_lo, k_hi = k_range(H, BLOCK_K, SPLIT)
     launch_next(PDL)
     if PREFETCH > 0:
         n_in = tl.minimum(n, INTER - 1)  # an edge block's rows past the end: its last row
-        nbytes = tl.full([BLOCK_N], PREFETCH, tl.int32)
-        prefetch_l2(Wgu + n_in * sw, nbytes)
-        prefetch_l2(Wgu + (n_in + INTER) * sw, nbytes)
+        es: tl.constexpr = Wgu.dtype.element_ty.primitive_bitwidth // 8
+        nbytes = tl.full([BLOCK_N], share_bytes(PREFETCH, k_lo, k_hi, es, SPLIT), tl.int32)
+        prefetch_l2(Wgu + n_in * sw + k_lo, nbytes)
+        prefetch_l2(Wgu + (n_in + INTER) * sw + k_lo, nbytes)
     wait_prev(PDL)
     m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     m_ok = m < M
     g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     ss = tl.zeros([BLOCK_M], tl.float32)
-    for k0 in range(0, H, BLOCK_K):
+    for k0 in range(k_lo, k_hi, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         h, sq = _x_chunk(X, sx, NW, m, m_ok, k, H)
         ss += sq
         g += _mac(h, _rows(Wgu, n, n_ok, sw, k, H), IEEE, GEMV)
         u += _mac(h, _rows(Wgu, n + INTER, n_ok, sw, k, H), IEEE, GEMV)
+    if SPLIT > 1:
+        g, u, ss, last = reduce2(WS, Cnt, g, u, ss, pid_m * tl.num_programs(0) + pid_n,
+                                 SPLIT, BLOCK_M, BLOCK_N)  # fmt: skip
+        if last:
+            _gate_up_out(g, u, ss, Out, m, m_ok, n, n_ok, H, eps, so)
+    else:
+        _gate_up_out(g, u, ss, Out, m, m_ok, n, n_ok, H, eps, so)
+
+
+@triton.jit
+def _gate_up_out(g, u, ss, Out, m, m_ok, n, n_ok, H, eps, so):
+    """_gate_up's epilogue: the norm's scale, silu(gate) * up, out."""
     rstd = (1.0 / tl.sqrt(ss / H + eps))[:, None]
     g = g * rstd
     u = u * rstd
@@ -196,34 +247,54 @@ def _gate_up(
 
 @triton.jit
 def _matmul_add(
-    A, Wt, R, Out, M, N, K, sa, sw, sr, so,
+    A, Wt, R, Out, WS, Cnt, M, N, K, sa, sw, sr, so,
     IEEE: tl.constexpr, GEMV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr, SPLIT: tl.constexpr,
 ):  # fmt: skip
     """Out = R + A @ Wt^T  (A [M, K], Wt [N, K], R/Out [M, N])."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
+    k_lo, k_hi = k_range(K, BLOCK_K, SPLIT)
     launch_next(PDL)
     if PREFETCH > 0:
-        prefetch_l2(Wt + tl.minimum(n, N - 1) * sw, tl.full([BLOCK_N], PREFETCH, tl.int32))
+        es: tl.constexpr = Wt.dtype.element_ty.primitive_bitwidth // 8
+        nbytes = tl.full([BLOCK_N], share_bytes(PREFETCH, k_lo, k_hi, es, SPLIT), tl.int32)
+        prefetch_l2(Wt + tl.minimum(n, N - 1) * sw + k_lo, nbytes)
     wait_prev(PDL)
     m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     m_ok = m < M
     ok = m_ok[:, None] & n_ok[None, :]
     r = tl.load(R + m[:, None] * sr + n[None, :], mask=ok, other=0.0)  # flies with the loop's
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(k_lo, k_hi, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         acc += _mac(_rows(A, m, m_ok, sa, k, K), _rows(Wt, n, n_ok, sw, k, K), IEEE, GEMV)
     dt = Out.dtype.element_ty
-    tl.store(Out + m[:, None] * so + n[None, :], (r + acc.to(dt)).to(dt), mask=ok)
+    if SPLIT > 1:
+        acc, last = reduce1(WS, Cnt, acc, pid_m * tl.num_programs(0) + pid_n, SPLIT,
+                            BLOCK_M, BLOCK_N)  # fmt: skip
+        if last:
+            tl.store(Out + m[:, None] * so + n[None, :], (r + acc.to(dt)).to(dt), mask=ok)
+    else:
+        tl.store(Out + m[:, None] * so + n[None, :], (r + acc.to(dt)).to(dt), mask=ok)
 
 
 def _launch(kernel, grid, *args, pdl: bool, **meta) -> None:
     """`kernel[grid](*args, **meta)`, with PDL=pdl (and launched with it)."""
     kernel[grid](*args, PDL=pdl, **meta, **launch_kwargs(pdl))
+
+
+def _split(name, w, k, m, tiles, bm, bn, bk, accs, prefetch):
+    """A launch's split-K (ddserve.engine.layer_split): (SPLIT, the workspace, the tile
+    counters, PREFETCH), SPLIT 1 where layer_launch.split_k says none or the input is one
+    block_k step."""
+    split, aligned = plan(k, bk, split_k(name, m), prefetch, w.element_size())
+    if split == 1:
+        return 1, w, w, prefetch  # (no workspace: the kernels never touch it unsplit)
+    ws, cnt = workspace(w.device, floats(tiles, split, bm, bn, accs), tiles)
+    return split, ws, cnt, prefetch if aligned else 0
 
 
 def qkv_rope(block, x, cos, sin, kc, vc, rows, wpos, ctx: int = 0, batch: int = 1) -> torch.Tensor:
@@ -241,14 +312,18 @@ def qkv_rope(block, x, cos, sin, kc, vc, rows, wpos, ctx: int = 0, batch: int = 
     bias = block.qkv_bias
     assert kc.stride() == vc.stride() and kc.stride(3) == 1, "K and V pools share one layout"
     norm = block.input_layernorm
+    grid = ((nh + 2 * kvh) * (hd // 2 // bn), triton.cdiv(m, bm))
+    split, ws, cnt, pf = _split(
+        "qkv", w, h, m, grid[0] * grid[1], bm, bn, bk, 2, prefetch_bytes(w, ctx, batch, m)
+    )
     _launch(
-        _qkv_rope, ((nh + 2 * kvh) * (hd // 2 // bn), triton.cdiv(m, bm)),
+        _qkv_rope, (*grid, split),
         x, norm.weight, w, bias if bias is not None else w, cos, sin, q, kc, vc, rows, wpos,
-        m, h, wpos.shape[1], nh, kvh, norm.eps,
+        ws, cnt, m, h, wpos.shape[1], nh, kvh, norm.eps,
         x.stride(0), w.stride(0), cos.stride(0), q.stride(0), q.stride(1),
         kc.stride(0), kc.stride(1), kc.stride(2),
         HD=hd, HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32, GEMV=bn < 16,
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, PREFETCH=prefetch_bytes(w, ctx, batch, m),
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, PREFETCH=pf, SPLIT=split,
         num_warps=warps, num_stages=stages, pdl=pdl_on(x.device, ctx, batch, m),
     )  # fmt: skip
     return q
@@ -263,11 +338,16 @@ def gate_up(block, x, ctx: int = 0, batch: int = 1) -> torch.Tensor:
     bn, bk, warps, stages = launch_params("gate_up", m)
     bm = block_m(m, bn)
     norm = block.post_attention_layernorm
+    grid = (triton.cdiv(inter, bn), triton.cdiv(m, bm))
+    split, ws, cnt, pf = _split(
+        "gate_up", w, h, m, grid[0] * grid[1], bm, bn, bk, 2, prefetch_bytes(w, ctx, batch, m)
+    )
     _launch(
-        _gate_up, (triton.cdiv(inter, bn), triton.cdiv(m, bm)),
-        x, norm.weight, w, out, m, h, inter, norm.eps, x.stride(0), w.stride(0), out.stride(0),
+        _gate_up, (*grid, split),
+        x, norm.weight, w, out, ws, cnt, m, h, inter, norm.eps,
+        x.stride(0), w.stride(0), out.stride(0),
         IEEE=x.dtype == torch.float32, GEMV=bn < 16, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-        PREFETCH=prefetch_bytes(w, ctx, batch, m), num_warps=warps, num_stages=stages,
+        PREFETCH=pf, SPLIT=split, num_warps=warps, num_stages=stages,
         pdl=pdl_on(x.device, ctx, batch, m),
     )  # fmt: skip
     return out
@@ -280,11 +360,15 @@ def matmul_add(a, w, r, kernel: str, ctx: int = 0, batch: int = 1) -> torch.Tens
     out = torch.empty(m, n, device=a.device, dtype=a.dtype)
     bn, bk, warps, stages = launch_params(kernel, m)
     bm = block_m(m, bn)
+    grid = (triton.cdiv(n, bn), triton.cdiv(m, bm))
+    split, ws, cnt, pf = _split(
+        kernel, w, k, m, grid[0] * grid[1], bm, bn, bk, 1, prefetch_bytes(w, ctx, batch, m)
+    )
     _launch(
-        _matmul_add, (triton.cdiv(n, bn), triton.cdiv(m, bm)),
-        a, w, r, out, m, n, k, a.stride(0), w.stride(0), r.stride(0), out.stride(0),
+        _matmul_add, (*grid, split),
+        a, w, r, out, ws, cnt, m, n, k, a.stride(0), w.stride(0), r.stride(0), out.stride(0),
         IEEE=a.dtype == torch.float32, GEMV=bn < 16, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-        PREFETCH=prefetch_bytes(w, ctx, batch, m), num_warps=warps, num_stages=stages,
+        PREFETCH=pf, SPLIT=split, num_warps=warps, num_stages=stages,
         pdl=pdl_on(a.device, ctx, batch, m),
     )  # fmt: skip
     return out

@@ -18,7 +18,7 @@ from tests.engine.triton_interpreter import (
 )
 
 with interpreted():
-    from ddserve.engine import layer_launch
+    from ddserve.engine import layer_launch, layer_split
     from ddserve.engine.layer_triton import fused_layer_step
 
 from ddserve.config.engine import LiveParams  # noqa: E402
@@ -69,21 +69,30 @@ BLOCKS = {(k, bm): (16, 256, 4, 1) for k in ("qkv", "gate_up", "o", "down") for 
 # 18 and 65 rows take several row blocks
 GEMV = {(k, c): (4, 64, 4, 3) for k in ("qkv", "gate_up", "o", "down") for c in (16, 64)}
 GEMV_ONE_STEP = {(k, c): (2 if k == "qkv" else 8, 256, 2, 1) for k, c in GEMV}
+# split-K (ddserve.engine.layer_split): K loops of 32-column steps (96 inputs: 3 steps, 160:
+# 5) spread over 3 programs a tile (down: 2 + 2 + 1 steps), tensor cores and GEMV
+SPLIT_TC = {(k, c): (16, 32, 4, 1) for k in ("qkv", "gate_up", "o", "down") for c in (16, 64)}
+SPLIT_GEMV = {(k, c): (4, 32, 2, 1) for k, c in SPLIT_TC}
+SPLIT_ALL = {(k, c): 3 for k in ("qkv", "gate_up", "o", "down") for c in (1, 2, 4, 8, 16, 32, 64)}
 VARIANTS = {
-    "defaults": ({}, 32),
-    "blocks": (BLOCKS, 32),
-    "blocks-hd64": (BLOCKS, 64),
-    "gemv": (GEMV, 32),
-    "gemv-one-step-hd64": (GEMV_ONE_STEP, 64),
+    "defaults": ({}, 32, {}),
+    "blocks": (BLOCKS, 32, {}),
+    "blocks-hd64": (BLOCKS, 64, {}),
+    "gemv": (GEMV, 32, {}),
+    "gemv-one-step-hd64": (GEMV_ONE_STEP, 64, {}),
+    "split": (SPLIT_TC, 64, SPLIT_ALL),
+    "split-gemv": (SPLIT_GEMV, 32, SPLIT_ALL),
 }
 
 
 @pytest.fixture(params=list(VARIANTS))
 def variant(request):
-    tune, head_dim = VARIANTS[request.param]
+    tune, head_dim, splits = VARIANTS[request.param]
     layer_launch.TUNE.update(tune)
+    layer_launch.SPLIT_K.update(splits)
     yield head_dim
     layer_launch.TUNE.clear()
+    layer_launch.SPLIT_K.clear()
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -126,19 +135,41 @@ def test_fused_layer_equals_reference(b, w, mode, bias, dtype, variant, request)
     tol = 1e-4 if dtype == torch.float32 else 5e-2
     for ref, mine in zip(outs["ref"], outs["fused"], strict=True):
         assert (ref - mine).abs().max().item() < tol
+    if layer_launch.SPLIT_K:  # the split ran, and its finishers left every counter at zero
+        spaces = [s for s in layer_split._KEEP if s[0].device.type == DEV]
+        assert spaces and all(cnt.count_nonzero().item() == 0 for _, cnt in spaces)
+
+
+def test_split_plan():
+    """layer_split.plan: at most the splits asked for, each a nonempty run of whole block_k
+    steps; their shares of a weight row prefetch where 16-byte aligned and >= 16 bytes."""
+    plan = layer_split.plan
+    assert plan(96, 32, 3, 192, 2) == (3, True)  # 3 steps, one each
+    assert plan(160, 32, 3, 320, 2) == (3, True)  # 5 steps: 2 + 2 + 1
+    assert plan(576, 256, 3, 1152, 2) == (3, True)  # the last share 64 columns
+    assert plan(576, 256, 4, 1152, 2) == (3, True)  # no empty fourth
+    assert plan(4 * 256, 256, 3, 2048, 2) == (2, True)  # 4 steps in 3: 2 + 2, not 2 + 2 + 0
+    assert plan(576, 1024, 3, 1152, 2) == (1, True)  # one step: unsplit
+    assert plan(96, 32, 1, 192, 2) == (1, True)
+    assert plan(24, 4, 6, 48, 2) == (6, False)  # shares of 8 bytes: no prefetch
+    assert plan(36, 16, 3, 72, 2) == (3, False)  # the last share 4 columns: 8 bytes
+    assert plan(40, 16, 3, 80, 2) == (3, True)  # ... 8 columns: 16 bytes
 
 
 # AR's forwards (1-4 rows) take the default GEMV sets; the GEMV sets of every class for the
 # drafter's trees too (AR on them: ~45 s more in the interpreter, the same 1-4-row path)
 @pytest.mark.parametrize(
-    "drafter,sets", [("none", "defaults"), ("dflash", "defaults"), ("dflash", "gemv")]
+    "drafter,sets",
+    [("none", "defaults"), ("dflash", "defaults"), ("dflash", "gemv"), ("dflash", "split")],
 )
 def test_engine_on_fused_layers_decodes_like_the_reference(drafter, sets, monkeypatch):
     """Static engines with and without the fused layers, same model (fp32): the same greedy
     tokens and accept lengths, prompts prefilled through torch (wide) then decoded in one
     batch, a late joiner included; the DFlash drafter's layers stay torch's. With the
-    default launch parameters and with the GEMV sets."""
-    monkeypatch.setattr(layer_launch, "TUNE", dict(GEMV) if sets == "gemv" else {})
+    default launch parameters, the GEMV sets and split-K (every class, 3 programs a tile)."""
+    tune = {"gemv": GEMV, "split": SPLIT_TC}.get(sets, {})
+    monkeypatch.setattr(layer_launch, "TUNE", dict(tune))
+    monkeypatch.setattr(layer_launch, "SPLIT_K", SPLIT_ALL if sets == "split" else {})
     model = random_llama(LlamaConfig(**CFG), seed=3).to(DEV)
     params = LiveParams(budget=6, topk=2, window=8)
     draft = random_dflash(model) if drafter == "dflash" else None
@@ -252,19 +283,22 @@ def pdl_chain_replays(
     not CUDA or torch.cuda.get_device_capability()[0] < 9,
     reason="programmatic dependent launch needs a Hopper-or-later GPU",
 )
-@pytest.mark.parametrize("sets", ["defaults", "blocks", "gemv", "defaults-1-row"])
+@pytest.mark.parametrize("sets", ["defaults", "blocks", "gemv", "defaults-1-row", "split"])
 def test_pdl_chain_equals_serial_launches(sets):
     """The chain of `pdl_chain_replays` with programmatic dependent launch and L2
     prefetches and without either: the same bits in the output and in every pool after each
     of 20 replays, so a kernel that read before its predecessors' writes were visible would
     differ. 4 x 2 rows, and 1 row (AR at C=1: the default GEMV sets, which the engine
-    overlaps)."""
-    layer_launch.TUNE.update({"blocks": BLOCKS, "gemv": GEMV}.get(sets, {}))
+    overlaps). Split-K too: its partials and counters, shared by the chain's kernels, must
+    be read only once every program of the tile has parked its partials."""
+    layer_launch.TUNE.update({"blocks": BLOCKS, "gemv": GEMV, "split": SPLIT_TC}.get(sets, {}))
+    layer_launch.SPLIT_K.update(SPLIT_ALL if sets == "split" else {})
     b, w = (1, 1) if sets == "defaults-1-row" else (4, 2)
     try:
         results = {o: pdl_chain_replays(o, o, b=b, w=w) for o in (False, True)}
     finally:
         layer_launch.TUNE.clear()
+        layer_launch.SPLIT_K.clear()
     for serial, overlapped in zip(results[False], results[True], strict=True):
         for a, b_ in zip(serial, overlapped, strict=True):
             assert torch.equal(a, b_)

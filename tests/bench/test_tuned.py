@@ -1,0 +1,38 @@
+"""bench.tuned: a JSON's knobs into the engine's modules, bad ones refused in one line."""
+
+import json
+
+import pytest
+
+pytest.importorskip("triton")
+
+from ddserve.bench import tuned  # noqa: E402
+from ddserve.engine import layer_launch, static_models  # noqa: E402
+
+
+@pytest.fixture
+def clean(monkeypatch):
+    monkeypatch.setattr(layer_launch, "SPLIT_K", {})
+    monkeypatch.setattr(layer_launch, "TUNE", {})
+    monkeypatch.setattr(static_models, "COMPILE_GLUE", static_models.COMPILE_GLUE)
+
+
+def test_split_k_and_engine_knobs(tmp_path, clean):
+    path = tmp_path / "t.json"
+    path.write_text(
+        json.dumps({"split_k": {"qkv:16": 3, "down:8": 2}, "engine": {"COMPILE_GLUE": False}})
+    )
+    out = tuned.apply_tune(str(path))
+    assert layer_launch.SPLIT_K == {("qkv", 16): 3, ("down", 8): 2}
+    assert layer_launch.split_k("qkv", 9) == 3 and layer_launch.split_k("qkv", 17) == 1
+    assert static_models.COMPILE_GLUE is False
+    assert out["split_k"] == {"qkv:16": 3, "down:8": 2}
+
+
+@pytest.mark.parametrize("key", ["qkv:12", "attn:16", "qkv", "o:x"])
+def test_bad_split_k_key_is_one_line(tmp_path, clean, key):
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps({"split_k": {key: 2}}))
+    with pytest.raises(SystemExit, match="split_k key .* is not KERNEL:ROWS"):
+        tuned.apply_tune(str(path))
+    assert layer_launch.SPLIT_K == {}
