@@ -4,14 +4,17 @@ verify, next to torch's compiled layer; the best set per (kernel, row block) is 
 layer_launch.DEFAULTS should hold.
 
     python -m ddserve.bench.layer_kernels [--rows 1,16,32,64] [--layers 30] [--grids tc,gemv]
-        [--kernels qkv,gate_up,o,down,attn] [--name layer_kernels]
+        [--kernels qkv,gate_up,o,down,attn] [--splits 1,2,3] [--name layer_kernels]
 
 Every timing is a CUDA graph of one launch per layer, each layer its own weights (SmolLM2's
 shapes, random, bf16), so weights stream from memory as in a real step rather than sit in
 L2; replayed 20 times, per launch. Then whole layers (qkv + attention + o + gate/up + down)
 with the defaults and with the best sets, against the torch.compile'd reference layer, and
 the best sets once more without programmatic dependent launch (layer_launch.PDL), then
-also without the L2 prefetches (PREFETCH), side by side. Writes NAME.json under --out.
+also without the L2 prefetches (PREFETCH), side by side. --splits: every layer kernel's set
+also with its K loop split over that many programs a tile (layer_launch.SPLIT_K,
+ddserve.engine.layer_split; a set whose input is fewer block_k steps takes fewer); the best
+split per kernel is "best_split" (bench.tuned reads it). Writes NAME.json under --out.
 """
 
 from __future__ import annotations
@@ -183,6 +186,7 @@ def main() -> int:
         "kernel's default set only), gemv (the GEMV grid)",
     )
     ap.add_argument("--kernels", default="qkv,gate_up,o,down,attn")
+    ap.add_argument("--splits", default="1", help="split-K counts to time each set with")
     ap.add_argument(
         "--gemv-block-rows",
         type=int,
@@ -208,32 +212,39 @@ def main() -> int:
         bm = ll.rows_key(rows)  # the row class TUNE's entries are keyed by
         L = Layers(a.layers, rows)
         res = result["rows"][rows] = {"block_m": bm, "kernels": {}}
-        best = {}
+        best, best_split = {}, {}
         for name in a.kernels.split(","):
             timings = []
-            for bn, bk, warps, stages in grid_sets(name, rows, a.grids):
+            splits = [1] if name == "attn" else [int(n) for n in a.splits.split(",")]
+            sets = grid_sets(name, rows, a.grids)
+            for (bn, bk, warps, stages), split in itertools.product(sets, splits):
                 if rows > 32 and bn >= 16 and bk > 256:  # the x tile would not fit in registers
                     continue
                 params = (bn, bk, warps, stages)
                 if name != "attn":  # a layer kernel: read from TUNE at launch
                     ll.TUNE[(name, bm)] = params
+                    ll.SPLIT_K[(name, bm)] = split
                 t0 = time.perf_counter()
                 try:
                     ms = graph_ms(L.kernel(name, params)) / a.layers * 1e3
                 except Exception:  # noqa: BLE001 - a set that does not compile (shared memory)
                     continue
-                timings.append({"params": [bn, bk, warps, stages], "us": round(ms, 2)})
+                timings.append({"params": list(params), "split": split, "us": round(ms, 2)})
                 if a.verbose:
                     print(
                         f"rows {rows:3d} {name:8s} bn {bn:3d} bk {bk:5d} warps {warps} "
-                        f"stages {stages}: {ms:6.2f} us  ({time.perf_counter() - t0:.1f} s)",
+                        f"stages {stages} split {split}: {ms:6.2f} us  "
+                        f"({time.perf_counter() - t0:.1f} s)",
                         flush=True,
                     )
             ll.TUNE.pop((name, bm), None)
+            ll.SPLIT_K.pop((name, bm), None)
             timings.sort(key=lambda t: t["us"])
             if not timings:  # no parameter set compiled at this row block
                 continue
             best[name] = tuple(timings[0]["params"])
+            if name != "attn":
+                best_split[name] = timings[0]["split"]
             res["kernels"][name] = timings
             print(f"rows {rows} {name}: best {timings[:3]}", flush=True)
             save(result, a)
@@ -242,6 +253,7 @@ def main() -> int:
         per_layer["compile"] = graph_ms(L.layers(compiled)) / a.layers * 1e3
         per_layer["fused_defaults"] = graph_ms(L.layers(lt.fused_layer_step)) / a.layers * 1e3
         ll.TUNE.update({(k, bm): v for k, v in best.items() if k != "attn"})
+        ll.SPLIT_K.update({(k, bm): n for k, n in best_split.items()})
         per_layer["fused_best"] = graph_ms(L.layers(lt.fused_layer_step)) / a.layers * 1e3
         try:
             ll.PDL = False  # the same kernels without programmatic dependent launch, then also
@@ -251,7 +263,9 @@ def main() -> int:
         finally:
             ll.PDL = ll.PREFETCH = None
         ll.TUNE.clear()
+        ll.SPLIT_K.clear()
         res["best"] = {k: list(v) for k, v in best.items()}
+        res["best_split"] = best_split
         res["layer_us"] = {k: round(v, 2) for k, v in per_layer.items()}
         print(f"rows {rows}: best {best}; per layer (us) {res['layer_us']}", flush=True)
         save(result, a)

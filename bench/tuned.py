@@ -68,6 +68,8 @@ def apply_tune(paths: str) -> dict:
         for k, v in r.get("best", {}).items():
             if k != "attn":  # the attention kernel keeps its own parameters
                 ll.TUNE[(k, r["block_m"])] = tuple(v)
+        for k, n in r.get("best_split", {}).items():  # runs with --splits
+            ll.SPLIT_K[(k, r["block_m"])] = int(n)
     for rows in sorted(res, key=int):
         us = res[rows].get("layer_us", {})
         if not us or us["fused_best"] >= us["compile"]:
@@ -75,6 +77,7 @@ def apply_tune(paths: str) -> dict:
         ll.FUSED_MAX_ROWS = max(ll.FUSED_MAX_ROWS, int(rows))
     return {
         "tune": {str(k): v for k, v in ll.TUNE.items()},
+        "splits": {str(k): v for k, v in ll.SPLIT_K.items()},
         "fused_max_rows": ll.FUSED_MAX_ROWS,
         "attention": knobs,
         "engine": engine,

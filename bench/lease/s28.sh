@@ -6,7 +6,8 @@
 #                   the PDL chain's bits against serial launches, the engine's fp32 greedy on
 #                   split sets), the tree build and compiled glue; verify steps (random
 #                   SmolLM2, triton attention, 256 keys, B 1/4 x W 1/8/16) unsplit against
-#                   each split JSON of bench/results/layer-split/, side by side per run
+#                   each split JSON of bench/results/layer-split/, side by side per run;
+#                   each 16-row kernel alone unsplit / split 2 / 3 (bench.layer_kernels)
 #   1  carry .whl .carry/old   the GPU tree build before/now; a C=1 round by phase
 #                   (round_profile, random SmolLM2, ar and b15k4): the session start of
 #                   the twenty-fourth (.carry/old) against this tree, and this tree with
@@ -25,6 +26,11 @@ case ${CALL:?} in
             grep -e "^fused" -e Error -e error | cut -c1-110
         echo "$j: ${SECONDS}s"
     done
+    # each kernel alone at 16 rows, its default set unsplit / split 2 / 3 (then the layer)
+    timeout 100 python3 -m ddserve.bench.layer_kernels --rows 16 --grids defaults \
+        --kernels qkv,gate_up,o,down --splits 1,2,3 --verbose --name lk-split --out $OUT 2>&1 |
+        grep -e "^rows" | cut -c1-160
+    echo "layer_kernels: ${SECONDS}s"
     timeout 120 python3 -m pytest -q -p no:cacheprovider tests/engine/test_tree_triton.py \
         tests/engine/test_static_engine.py -k "tree or compiled_glue" 2>&1 |
         tail -4 | tee $OUT/gpu_tests_tree_glue.txt
