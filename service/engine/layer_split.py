@@ -18,7 +18,10 @@ a stream run one after another (with PDL, each touches them only after `wait_pre
 its predecessor, whose finishers reset their counters, has completed). Forwards on two
 streams (a prompt chunk beside a step, graph lanes) get their own (`workspace`, keyed by
 the stream a forward is issued or captured on). A workspace, once made, is never freed: a
-graph captured with it keeps its address.
+graph captured with it keeps its address. One made during a capture (the capture stream's
+first split kernel: the warm-up runs went to another stream) has its counters zeroed by the
+graph, at each replay; should that capture fail, the next forward outside a capture zeroes
+them before its kernels run.
 """
 
 from __future__ import annotations
@@ -32,12 +35,15 @@ MIN_FLOATS = 1 << 20
 COUNTERS = 4096
 _SPACES: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 _KEEP: list[tuple[torch.Tensor, torch.Tensor]] = []
+_CAPTURED: set[tuple] = set()  # keys whose counters only a captured graph has zeroed
 
 
 def workspace(device: torch.device, floats: int, tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(fp32 partials of at least `floats` elements, int32 counters of at least `tiles`,
     zero) for split kernels issued on the current stream of `device`."""
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    cuda = device.type == "cuda"
+    stream = torch.cuda.current_stream(device).cuda_stream if cuda else 0
+    capturing = cuda and torch.cuda.is_current_stream_capturing()
     key = (str(device), stream)
     have = _SPACES.get(key)
     if have is None or have[0].numel() < floats or have[1].numel() < tiles:
@@ -47,6 +53,11 @@ def workspace(device: torch.device, floats: int, tiles: int) -> tuple[torch.Tens
         )
         _SPACES[key] = have
         _KEEP.append(have)  # never freed: graphs captured with an older one keep using it
+        if capturing:
+            _CAPTURED.add(key)
+    elif key in _CAPTURED and not capturing:
+        have[1].zero_()
+        _CAPTURED.discard(key)
     return have
 
 

@@ -53,3 +53,29 @@ def interpreter(monkeypatch):
     """Each test of a kernel module runs with the interpreter (off CUDA)."""
     if not CUDA:
         monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+@contextlib.contextmanager
+def programs_out_of_order():
+    """Off CUDA: the interpreter runs each launch's programs with grid axis 2 outermost and
+    descending, axes 0 and 1 descending within it (it runs axis 2 innermost, ascending):
+    programs that must meet, split-K's (ddserve.engine.layer_split), then arrive apart, other
+    tiles' between them, and the last split first, as on a GPU they may. On CUDA: nothing."""
+    if CUDA:
+        yield
+        return
+    builder = _interp.InterpreterBuilder
+    plain = builder.set_grid_idx
+
+    def set_grid_idx(self, x, y, z):
+        nx, ny, nz = self.grid_dim
+        k = (x * ny + y) * nz + z  # the k-th program the interpreter runs
+        plane = nx * ny
+        r = plane - 1 - k % plane
+        plain(self, r // ny, r % ny, nz - 1 - k // plane)
+
+    builder.set_grid_idx = set_grid_idx
+    try:
+        yield
+    finally:
+        builder.set_grid_idx = plain
