@@ -2,11 +2,12 @@
 # 16-row verify step spends ~26 us a layer in tensor-core tiles of 15-48 programs), and what
 # s27.sh had for the twenty-fourth session's work (compiled glue, the GPU tree build).
 # `CALL=N bash bench/lease/s28.sh`, calls back to back on one machine:
-#   0  carry .whl   GPU tests of the split kernels (bf16 and fp32 against the reference,
+#   0  carry .whl   GPU tests of the split kernels and the attention's folded merge (bf16 and fp32 against the reference,
 #                   the PDL chain's bits against serial launches, the engine's fp32 greedy on
 #                   split sets), the tree build and compiled glue; verify steps (random
 #                   SmolLM2, triton attention, 256 keys, B 1/4 x W 1/8/16) unsplit against
-#                   each split JSON of bench/results/layer-split/, side by side per run;
+#                   each JSON of bench/results/layer-split/ (split-K; fold: the attention's
+#                   merge in its split kernel, FOLD_MERGE; both), side by side per run;
 #                   each 16-row kernel alone unsplit / split 2 / 3 (bench.layer_kernels)
 #   1  carry .whl .carry/old   the GPU tree build before/now; a C=1 round by phase
 #                   (round_profile, random SmolLM2, ar and b15k4): the session start of
@@ -17,9 +18,10 @@ L=bench/results/layer-split
 case ${CALL:?} in
 0)
     timeout 240 python3 -m pytest -q -p no:cacheprovider tests/engine/test_layer_triton.py \
-        -k "split" 2>&1 | tail -4 | tee $OUT/gpu_tests_split.txt
+        tests/engine/test_attention.py -k "split or folded" 2>&1 | tail -4 |
+        tee $OUT/gpu_tests_split.txt
     echo "split tests: ${SECONDS}s"
-    for j in ${JSONS:-split3 split2 split3-qkv-down}; do
+    for j in ${JSONS:-split3 fold split3-fold split2}; do
         timeout 120 python3 -m ddserve.bench.static_step --model random-smollm2 \
             --modes fused,fused+tuned --fused-tune $L/$j.json --attention triton \
             --batches 1,4 --widths 1,8,16 --context 256 --name steps-$j --out $OUT 2>&1 |

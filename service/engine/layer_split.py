@@ -105,7 +105,7 @@ def _sum1(WS, at, stride, SPLIT: tl.constexpr, BM: tl.constexpr):
 
 
 @triton.jit
-def _arrive(Cnt, tile, SPLIT: tl.constexpr):
+def arrive(Cnt, tile, SPLIT):
     """Count this program in on `tile`'s counter, after every thread's partials are stored;
     whether it is the last (which then resets the counter and finishes the tile). acq_rel:
     the partials stored before are released with the count, and the last one's loads after
@@ -139,7 +139,7 @@ def reduce2(WS, Cnt, a, b, ss, tile, SPLIT: tl.constexpr, BM: tl.constexpr, BN: 
     _park2(WS, at, a, BM, BN)
     _park2(WS, at + BM * BN, b, BM, BN)
     _park1(WS, at + 2 * BM * BN, ss, BM)
-    last = _arrive(Cnt, tile, SPLIT)
+    last = arrive(Cnt, tile, SPLIT)
     if last:
         base = tile * SPLIT * part
         a = _sum2(WS, base, part, SPLIT, BM, BN)
@@ -153,7 +153,7 @@ def reduce1(WS, Cnt, a, tile, SPLIT: tl.constexpr, BM: tl.constexpr, BN: tl.cons
     """One accumulator's reduce2."""
     part: tl.constexpr = BM * BN
     _park2(WS, (tile * SPLIT + tl.program_id(2)) * part, a, BM, BN)
-    last = _arrive(Cnt, tile, SPLIT)
+    last = arrive(Cnt, tile, SPLIT)
     if last:
         a = _sum2(WS, tile * SPLIT * part, part, SPLIT, BM, BN)
     return a, last
