@@ -12,7 +12,7 @@
 #   1  carry .whl .carry/old   the GPU tree build before/now; a C=1 round by phase
 #                   (round_profile, random SmolLM2, ar and b15k4): the session start of
 #                   the twenty-fourth (.carry/old) against this tree, and this tree with
-#                   split3.json
+#                   ${SPLIT_JSON:-split3-fold}.json (what call 0 found best)
 . bench/device_env.sh /root/parts
 L=bench/results/layer-split
 case ${CALL:?} in
@@ -44,7 +44,7 @@ case ${CALL:?} in
     for v in new old split; do
         pp=/tmp/pp; [ $v = old ] && pp=/tmp/pp-old
         pre=(-m ddserve.bench.round_profile)
-        [ $v = split ] && pre=(-m ddserve.bench.tuned $L/split3.json ddserve.bench.round_profile)
+        [ $v = split ] && pre=(-m ddserve.bench.tuned $L/${SPLIT_JSON:-split3-fold}.json ddserve.bench.round_profile)
         PYTHONPATH=$pp:/tmp/site:$root timeout 120 python3 "${pre[@]}" \
             --model random-smollm2 --device cuda --configs dflash-b15k4,ar --batches 1 \
             --rounds 100 --kernels 20 --name rp-$v --out $OUT 2>&1 | grep -v -e Warning -e warn
