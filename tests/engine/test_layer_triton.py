@@ -202,6 +202,19 @@ def test_fused_layers_choice():
             fused_layers_on("on", dev, fp32)
 
 
+def captured(fn):
+    """(a CUDA graph of fn(), its output), fn run once on a side stream first (warm-up)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph, out
+
+
 def pdl_chain_replays(
     pdl: bool,
     prefetch: bool,
@@ -262,14 +275,7 @@ def pdl_chain_replays(
             past.copy_(steps[0][0])
             wpos.copy_(steps[0][1])
             x_in.copy_(steps[0][2])
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            chain(pools)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = chain(pools)
+        graph, out = captured(lambda: chain(pools))
         seen = []
         for p, wp, x in steps:
             past.copy_(p)
@@ -354,14 +360,7 @@ def test_split_replays_are_deterministic():
         layer_launch.TUNE.update(sets)
         plain = chain().float()
         layer_launch.SPLIT_K.update({(k, 16): 8 for k in layer_launch.KERNELS})
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            chain()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = chain()
+        graph, out = captured(chain)
         seen = []
         for _ in range(300):
             graph.replay()
