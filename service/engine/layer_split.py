@@ -63,11 +63,15 @@ def workspace(device: torch.device, floats: int, tiles: int) -> tuple[torch.Tens
 
 @triton.jit
 def k_range(K, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr):
-    """This program's input columns [lo, hi): its split's share of whole BLOCK_K steps."""
-    s = tl.program_id(2)
-    per = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT) * BLOCK_K
-    lo = s * per
-    return lo, tl.minimum(lo + per, K)
+    """This program's input columns [lo, hi): its split's share of whole BLOCK_K steps
+    (unsplit: 0 and K as they were, a loop from a constant)."""
+    lo = 0
+    hi = K
+    if SPLIT > 1:
+        per = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT) * BLOCK_K
+        lo = tl.program_id(2) * per
+        hi = tl.minimum(lo + per, K)
+    return lo, hi
 
 
 @triton.jit
