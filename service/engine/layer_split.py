@@ -180,3 +180,16 @@ def floats(tiles: int, splits: int, bm: int, bn: int, accs: int) -> int:
     """The workspace a launch's partials take: `accs` accumulators (and, with two, the
     rows' sums of x^2) per tile and split."""
     return tiles * splits * (accs * bm * bn + (bm if accs == 2 else 0))
+
+
+def launch_split(splits, w, k, tiles, bm, bn, bk, accs, prefetch):
+    """A layer kernel's split-K for its launch: (SPLIT, the workspace, the tile counters,
+    PREFETCH). `splits` what layer_launch.split_k asks, w the kernel's weight, k its input
+    width, `tiles` its output tiles of bm x bn, `accs` its accumulators, `prefetch` a
+    weight row's bytes to prefetch whole. SPLIT 1 where none is asked or the input is one
+    block_k step (no workspace: the kernels never touch it unsplit)."""
+    split, aligned = plan(k, bk, splits, prefetch, w.element_size())
+    if split == 1:
+        return 1, w, w, prefetch
+    ws, cnt = workspace(w.device, floats(tiles, split, bm, bn, accs), tiles)
+    return split, ws, cnt, prefetch if aligned else 0

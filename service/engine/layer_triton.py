@@ -48,15 +48,7 @@ from ddserve.engine.layer_launch import (
     prefetch_on,
     split_k,
 )
-from ddserve.engine.layer_split import (
-    floats,
-    k_range,
-    plan,
-    reduce1,
-    reduce2,
-    share_bytes,
-    workspace,
-)
+from ddserve.engine.layer_split import k_range, launch_split, reduce1, reduce2, share_bytes
 from ddserve.engine.triton_hopper import (
     launch_kwargs,
     launch_next,
@@ -286,17 +278,6 @@ def _launch(kernel, grid, *args, pdl: bool, **meta) -> None:
     kernel[grid](*args, PDL=pdl, **meta, **launch_kwargs(pdl))
 
 
-def _split(name, w, k, m, tiles, bm, bn, bk, accs, prefetch):
-    """A launch's split-K (ddserve.engine.layer_split): (SPLIT, the workspace, the tile
-    counters, PREFETCH), SPLIT 1 where layer_launch.split_k says none or the input is one
-    block_k step."""
-    split, aligned = plan(k, bk, split_k(name, m), prefetch, w.element_size())
-    if split == 1:
-        return 1, w, w, prefetch  # (no workspace: the kernels never touch it unsplit)
-    ws, cnt = workspace(w.device, floats(tiles, split, bm, bn, accs), tiles)
-    return split, ws, cnt, prefetch if aligned else 0
-
-
 def qkv_rope(block, x, cos, sin, kc, vc, rows, wpos, ctx: int = 0, batch: int = 1) -> torch.Tensor:
     """q [M, nh, hd] with RoPE; k, v written into the pools kc/vc [S, kvh, L, hd] at
     (rows[m // W], wpos[m]). x [M, H]; cos/sin [M, hd]; rows [B]; wpos [B, W]. `ctx`: the
@@ -313,9 +294,8 @@ def qkv_rope(block, x, cos, sin, kc, vc, rows, wpos, ctx: int = 0, batch: int = 
     assert kc.stride() == vc.stride() and kc.stride(3) == 1, "K and V pools share one layout"
     norm = block.input_layernorm
     grid = ((nh + 2 * kvh) * (hd // 2 // bn), triton.cdiv(m, bm))
-    split, ws, cnt, pf = _split(
-        "qkv", w, h, m, grid[0] * grid[1], bm, bn, bk, 2, prefetch_bytes(w, ctx, batch, m)
-    )
+    pf = prefetch_bytes(w, ctx, batch, m)
+    split, ws, cnt, pf = launch_split(split_k("qkv", m), w, h, grid[0] * grid[1], bm, bn, bk, 2, pf)
     _launch(
         _qkv_rope, (*grid, split),
         x, norm.weight, w, bias if bias is not None else w, cos, sin, q, kc, vc, rows, wpos,
@@ -339,8 +319,9 @@ def gate_up(block, x, ctx: int = 0, batch: int = 1) -> torch.Tensor:
     bm = block_m(m, bn)
     norm = block.post_attention_layernorm
     grid = (triton.cdiv(inter, bn), triton.cdiv(m, bm))
-    split, ws, cnt, pf = _split(
-        "gate_up", w, h, m, grid[0] * grid[1], bm, bn, bk, 2, prefetch_bytes(w, ctx, batch, m)
+    pf = prefetch_bytes(w, ctx, batch, m)
+    split, ws, cnt, pf = launch_split(
+        split_k("gate_up", m), w, h, grid[0] * grid[1], bm, bn, bk, 2, pf
     )
     _launch(
         _gate_up, (*grid, split),
@@ -361,8 +342,9 @@ def matmul_add(a, w, r, kernel: str, ctx: int = 0, batch: int = 1) -> torch.Tens
     bn, bk, warps, stages = launch_params(kernel, m)
     bm = block_m(m, bn)
     grid = (triton.cdiv(n, bn), triton.cdiv(m, bm))
-    split, ws, cnt, pf = _split(
-        kernel, w, k, m, grid[0] * grid[1], bm, bn, bk, 1, prefetch_bytes(w, ctx, batch, m)
+    pf = prefetch_bytes(w, ctx, batch, m)
+    split, ws, cnt, pf = launch_split(
+        split_k(kernel, m), w, k, grid[0] * grid[1], bm, bn, bk, 1, pf
     )
     _launch(
         _matmul_add, (*grid, split),
