@@ -1,7 +1,9 @@
 # Twenty-fifth session: split-K for the fused layer's projections at 16 rows (issue 17: a
 # 16-row verify step spends ~26 us a layer in tensor-core tiles of 15-48 programs), and what
 # s27.sh had for the twenty-fourth session's work (compiled glue, the GPU tree build).
-# `CALL=N bash bench/lease/s28.sh`, calls back to back on one machine:
+# `CALL=N bash bench/lease/s28.sh`, calls back to back on one machine (`CALL=quick`, carry
+# .whl: call 0's most telling part, verify steps with split3-fold then the GPU tests, then
+# split3 and fold alone, for a short lease):
 #   0  carry .whl   GPU tests of the split kernels and the attention's folded merge (bf16 and fp32 against the reference,
 #                   the PDL chain's bits against serial launches, the engine's fp32 greedy on
 #                   split sets), the tree build and compiled glue; verify steps (random
@@ -16,6 +18,18 @@
 . bench/device_env.sh /root/parts
 L=bench/results/layer-split
 case ${CALL:?} in
+quick)  # carry .whl: the most telling first, for a short lease (~5 min)
+    for j in split3-fold split3 fold; do
+        timeout 90 python3 -m ddserve.bench.static_step --model random-smollm2 \
+            --modes fused,fused+tuned --fused-tune $L/$j.json --attention triton \
+            --batches 1 --widths 1,16 --context 256 --name steps-$j --out $OUT 2>&1 |
+            grep -e "^fused" -e Error -e error | cut -c1-110
+        echo "$j: ${SECONDS}s"
+        [ $j = split3-fold ] && timeout 180 python3 -m pytest -q -p no:cacheprovider \
+            tests/engine/test_layer_triton.py tests/engine/test_attention.py \
+            -k "split or folded" 2>&1 | tail -4 | tee $OUT/gpu_tests_split.txt
+    done
+    ;;
 0)
     timeout 240 python3 -m pytest -q -p no:cacheprovider tests/engine/test_layer_triton.py \
         tests/engine/test_attention.py -k "split or folded" 2>&1 | tail -4 |
