@@ -18,6 +18,12 @@
 . bench/device_env.sh /root/parts
 L=bench/results/layer-split
 case ${CALL:?} in
+tiny)  # carry .whl: one verify-step comparison, unsplit vs split3-fold (~1.5 min)
+    timeout 100 python3 -m ddserve.bench.static_step --model random-smollm2 \
+        --modes fused,fused+tuned --fused-tune $L/split3-fold.json --attention triton \
+        --batches 1 --widths 1,16 --context 256 --name steps-split3-fold --out $OUT 2>&1 |
+        grep -e "^fused" -e Error -e error | cut -c1-110
+    ;;
 quick)  # carry .whl: the most telling first, for a short lease (~5 min)
     for j in split3-fold split3 fold; do
         timeout 90 python3 -m ddserve.bench.static_step --model random-smollm2 \
