@@ -268,9 +268,11 @@ SPLIT_TREE_MAX_ROWS = 96
 WIDE_TREE_FILL = 0.55
 
 # A split forward's merge in the split kernel itself: the last of a query block's splits to
-# arrive (ddserve.engine.layer_split's tile counters) merges them, where a second kernel did
-# (_merge: a launch a layer, ~1.4 us at 1 row on the H100). Off until a GPU measures it
-# (benchmarks set it: bench.tuned's attention knobs)
+# arrive (ddserve.engine.layer_split's tile counters) merges them, where a second kernel
+# does (_merge: a launch a layer). Off: it lost on an H100 (bench/results/layer-split/h100/
+# steps-fold.json, verify steps at 256 keys): B=1 x W=1 0.677 -> 0.709 ms, 1 x 16 1.072 ->
+# 1.158; the one program per block that merges serially waits longer than the separate
+# kernel's programs per row take. Kept for benchmarks (bench.tuned's attention knobs)
 FOLD_MERGE = False
 
 

@@ -79,8 +79,13 @@ DEFAULTS = {
 TUNE: dict[tuple[str, int], tuple[int, int, int, int]] = {}
 
 # Split-K (ddserve.engine.layer_split): per kernel and row class (rows_key, exactly), the
-# programs a tile's K loop is spread over (at most: whole block_k steps each). None by
-# default until a GPU measures it (benchmarks set it: bench.tuned's "layer" knobs)
+# programs a tile's K loop is spread over (at most: whole block_k steps each); a class
+# without an entry is unsplit. SPLIT_K overrides (benchmarks: bench.tuned's "split_k").
+# Measured on an H100 (bench/results/layer-split/h100/, random SmolLM2, 256 keys, the
+# 16-row default sets: qkv, gate/up and down 3 block_k steps, o 5), verify steps of 16 rows
+# unsplit -> 3 splits: B=1 x W=16 1.069 -> 0.866 ms, 2 x 8 1.055 -> 0.861, 4 x 4 1.056 ->
+# 0.887, 16 x 1 1.171 -> 1.005; other shapes within noise (they do not split)
+SPLIT_K_DEFAULTS = {(k, 16): 3 for k in ("qkv", "gate_up", "o", "down")}
 SPLIT_K: dict[tuple[str, int], int] = {}
 
 # Hopper and later. PDL, programmatic dependent launch: each kernel lets the next one start
@@ -132,8 +137,10 @@ def launch_params(kernel: str, m: int) -> tuple[int, int, int, int]:
 
 
 def split_k(kernel: str, m: int) -> int:
-    """The programs each output tile of `kernel` spreads its K loop over, for m rows."""
-    return SPLIT_K.get((kernel, rows_key(m)), 1)
+    """The programs each output tile of `kernel` spreads its K loop over, for m rows:
+    SPLIT_K's for its row class, else SPLIT_K_DEFAULTS', else 1."""
+    key = (kernel, rows_key(m))
+    return SPLIT_K.get(key, SPLIT_K_DEFAULTS.get(key, 1))
 
 
 def pdl_on(device: torch.device, ctx: int = 0, batch: int = 1, rows: int = 1) -> bool:

@@ -364,6 +364,7 @@ def test_split_replays_are_deterministic(fold, monkeypatch):
     sets = {(k, 16): (16, 64, 4, 1) for k in layer_launch.KERNELS}
     try:
         layer_launch.TUNE.update(sets)
+        layer_launch.SPLIT_K.update({(k, 16): 1 for k in layer_launch.KERNELS})  # unsplit
         plain = chain().float()
         layer_launch.SPLIT_K.update({(k, 16): 8 for k in layer_launch.KERNELS})
         graph, out = captured(chain)
@@ -411,3 +412,9 @@ def test_launch_parameters_by_row_class(monkeypatch):
     assert on == [True, False, False, True, True]
     assert L.prefetch_on(torch.device("cpu"), 0, 1, 2) is False
     assert L.pdl_on(torch.device("cpu"), 0, 8, 1) is False  # more slots than OVERLAP_MAX_BATCH
+    # split-K: the defaults' 3 programs a tile for the 16-row class (9-16 rows), none below;
+    # SPLIT_K overrides them
+    monkeypatch.setattr(L, "SPLIT_K", {})
+    assert [L.split_k("o", m) for m in (1, 8, 9, 16, 17)] == [1, 1, 3, 3, 1]
+    L.SPLIT_K[("o", 16)] = 1
+    assert L.split_k("o", 16) == 1 and L.split_k("qkv", 16) == 3
