@@ -11,7 +11,9 @@ arrival counter. The program that arrives last sums the SPLIT partials in split 
 the result does not depend on which program finishes: the same bits at every run), resets
 the counter to zero for the next kernel and runs the kernel's epilogue (norm scale, RoPE
 and the K/V writes, SiLU x up, the residual). No second kernel, so CUDA graphs replay it
-as they replay one launch, and the PDL chain keeps its links.
+as they replay one launch, and the PDL chain keeps its links. How many programs:
+layer_launch.split_k (3 for the 16-row class: verify steps of 9-16 rows 14-19% faster on an
+H100, bench/NOTES.md "Twenty-fifth session").
 
 The workspace and counters are shared by every split kernel run on one stream: kernels of
 a stream run one after another (with PDL, each touches them only after `wait_prev`, when
