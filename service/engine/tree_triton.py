@@ -122,7 +122,8 @@ def _build(
         seen = j[None, :] == i[:, None]
         cur = i
         for _ in range(0, DMAX):
-            up = tl.sum(tl.where(n[None, :] == cur[:, None], par[None, :], 0), 1)
+            # (the sum comes out int64: back to cur's type, which a loop must keep)
+            up = tl.sum(tl.where(n[None, :] == cur[:, None], par[None, :], 0), 1).to(tl.int32)
             cur = tl.where(cur >= 0, up, cur)  # -1 past the root, -2 under a padding row
             seen = seen | (j[None, :] == cur[:, None])
         tl.store(MASK + (b * W + i[:, None]) * W + j[None, :], seen.to(tl.int64))
