@@ -25,7 +25,7 @@ from ddserve.engine import layer_launch as ll
 # module constants a JSON may set, name -> its module under ddserve.engine: "attention",
 # the attention kernel's policy; "engine", the static engine's switches
 ATTENTION_KNOBS = dict.fromkeys(
-    ("SPLIT_TREE_MAX_ROWS", "WIDE_TREE_FILL", "PREFETCH_KEYS", "FOLD_MERGE"), "attention_triton"
+    ("SPLIT_TREE_MAX_ROWS", "WIDE_TREE_FILL", "PREFETCH_KEYS"), "attention_triton"
 )
 ENGINE_KNOBS = {"DRAFT_FUSED_LAYERS": "static_engine", "COMPILE_GLUE": "static_models"}
 

@@ -8,8 +8,7 @@ softmax over its share of that request's visible keys [lo, past + new_hi) in BLO
     committed keys j < past         visible (j >= lo)
     new keys j = past + u, u < W     visible by mode: TREE tree[b, t, u]; CAUSAL u <= t; FULL
 With one split it writes the output; with several it writes (m, l, acc) partials that
-`_merge` combines (a program per folded row, every split loaded at once), or, FOLD_MERGE,
-the last of a query block's splits to arrive (ddserve.engine.layer_split's counters). The number of
+`_merge` combines (a program per folded row, every split loaded at once). The number of
 splits depends only on the grid's other dimensions (shapes), never on lengths, so a CUDA
 graph of one shape replays for every context. MODE is
 ddserve.engine.attention's TREE 0 / CAUSAL 1 / FULL 2 (this module does not import it: that
@@ -25,7 +24,6 @@ import torch
 import triton
 import triton.language as tl
 
-from ddserve.engine.layer_split import arrive, workspace
 from ddserve.engine.triton_hopper import (
     bulk_aligned,
     launch_kwargs,
@@ -39,12 +37,12 @@ NEG = tl.constexpr(-1.0e30)  # a finite -inf: an empty split or row stays NaN-fr
 
 @triton.jit
 def _attn(
-    Q, K, V, Rows, Past, Tree, Window, Out, Mp, Lp, Ap, Cnt,
+    Q, K, V, Rows, Past, Tree, Window, Out, Mp, Lp, Ap,
     sq_n, sq_h, sk_s, sk_h, sk_l, so_n, so_h,
     W, G, KVH, SPLITS, MPAD, LEN, sm_scale,
     HD: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     MODE: tl.constexpr, HAS_WINDOW: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr,
-    PDL: tl.constexpr, PREFETCH: tl.constexpr, FOLD: tl.constexpr, BLOCK_S: tl.constexpr,
+    PDL: tl.constexpr, PREFETCH: tl.constexpr,
 ):  # fmt: skip
     # PDL (ddserve.engine.triton_hopper): before the wait only what was made before the
     # forward's first layer (Rows, Past, Window) and the committed keys (no layer writes
@@ -110,15 +108,6 @@ def _attn(
         tl.store(Mp + at, m_i)
         tl.store(Lp + at, l_i)
         tl.store(Ap + at[:, None] * BLOCK_D + d[None, :], acc)
-        if FOLD:  # the block's last split to arrive merges them (_merge's sums, in split order)
-            if arrive(Cnt, pid_bh * tl.num_programs(1) + pid_m, SPLITS):
-                out = _merged(Mp, Lp, Ap, pid_bh * SPLITS * MPAD + m_idx, SPLITS, MPAD, d,
-                              BLOCK_S, BLOCK_M, BLOCK_D)  # fmt: skip
-                tl.store(
-                    Out + (b * W + t)[:, None] * so_n + head[:, None] * so_h + d[None, :],
-                    out.to(Out.dtype.element_ty),
-                    mask=m_ok[:, None] & d_ok[None, :],
-                )
     else:
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(
@@ -172,28 +161,6 @@ def _keys(
     else:
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
     return m_new, l_i, acc
-
-
-@triton.jit
-def _merged(
-    Mp, Lp, Ap, at, SPLITS, MPAD, d,
-    BLOCK_S: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
-):  # fmt: skip
-    """The output rows `at` (first split's indices) of a block whose SPLITS partials (m, l,
-    acc) are parked: every split's m and l loaded at once, the acc summed in split order."""
-    s = tl.arange(0, BLOCK_S)
-    at2 = at[None, :] + s[:, None] * MPAD
-    s_ok = (s < SPLITS)[:, None]
-    ms = tl.load(Mp + at2, mask=s_ok, other=NEG, cache_modifier=".cg")
-    m_all = tl.max(ms, 0)  # an empty split (m = NEG, l = 0) weighs nothing
-    ls = tl.load(Lp + at2, mask=s_ok, other=0.0, cache_modifier=".cg")
-    l_all = tl.sum(ls * tl.exp(ms - m_all[None, :]), 0)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    for sp in range(0, SPLITS):
-        a_s = tl.load(Ap + (at + sp * MPAD)[:, None] * BLOCK_D + d[None, :], cache_modifier=".cg")
-        m_s = tl.load(Mp + at + sp * MPAD, cache_modifier=".cg")
-        acc += a_s * tl.exp(m_s - m_all)[:, None]
-    return acc / tl.where(l_all > 0, l_all, 1.0)[:, None]
 
 
 @triton.jit
@@ -267,14 +234,6 @@ def tuning(mode: int, w: int) -> dict:
 SPLIT_TREE_MAX_ROWS = 96
 WIDE_TREE_FILL = 0.55
 
-# A split forward's merge in the split kernel itself: the last of a query block's splits to
-# arrive (ddserve.engine.layer_split's tile counters) merges them, where a second kernel
-# does (_merge: a launch a layer). Off: it lost on an H100 (bench/results/layer-split/h100/
-# steps-fold.json, verify steps at 256 keys): B=1 x W=1 0.677 -> 0.709 ms, 1 x 16 1.072 ->
-# 1.158; the one program per block that merges serially waits longer than the separate
-# kernel's programs per row take. Kept for benchmarks (bench.tuned's attention knobs)
-FOLD_MERGE = False
-
 
 def split_plan(
     b: int, w: int, g: int, kvh: int, mode: int, ctx: int, sms: int, tune: dict | None = None
@@ -338,26 +297,23 @@ def launch(
     pdl_launch = launch_kwargs(pdl)
     # prefetched key ranges: contiguous rows (the pools share one layout) starting aligned
     prefetch = prefetch and kc.stride(2) == hd and all(bulk_aligned(t, (0, 1, 2)) for t in (kc, vc))
-    fold = splits > 1 and FOLD_MERGE
     if splits > 1:
         mp = torch.empty(b * kvh * splits * mpad, device=q.device, dtype=torch.float32)
         lp = torch.empty_like(mp)
         ap = torch.empty(b * kvh * splits * mpad * block_d, device=q.device, dtype=torch.float32)
     else:
         mp = lp = ap = out
-    cnt = workspace(q.device, 0, b * kvh * mblocks)[1] if fold else out
     _attn[(b * kvh, mblocks, splits)](
-        q, kc, vc, rows, past, tree_t, win, out, mp, lp, ap, cnt,
+        q, kc, vc, rows, past, tree_t, win, out, mp, lp, ap,
         q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), kc.stride(2),
         out.stride(0), out.stride(1),
         w, g, kvh, splits, mpad, kc.shape[2], 1.0 / math.sqrt(hd),
         HD=hd, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n,
         MODE=mode, HAS_WINDOW=window is not None, SPLIT=splits > 1, IEEE=ieee, PDL=pdl,
-        PREFETCH=PREFETCH_KEYS if prefetch else 0, FOLD=fold,
-        BLOCK_S=triton.next_power_of_2(splits),
+        PREFETCH=PREFETCH_KEYS if prefetch else 0,
         **{k: tune[k] for k in ("num_warps", "num_stages") if k in tune}, **pdl_launch,
     )  # fmt: skip
-    if splits > 1 and not fold:
+    if splits > 1:
         _merge[(b * kvh, rows_g)](
             mp, lp, ap, out, out.stride(0), out.stride(1), w, g, kvh, splits, mpad,
             HD=hd, BLOCK_D=block_d, BLOCK_S=triton.next_power_of_2(splits), PDL=pdl, **pdl_launch,

@@ -17,7 +17,6 @@ from tests.engine.triton_interpreter import (
     DTYPES,
     interpreted,
     interpreter,  # noqa: F401  (autouse fixture)
-    programs_out_of_order,
 )
 
 with interpreted():
@@ -76,41 +75,6 @@ def test_kernel_equals_reference(mode, b, w, splits, window, dtype):
         attn = A.Attn("triton", ctx=kc.shape[2], past=past, tree=tree)
         op = A.attend(q, kc, vc, rows, b, w, attn, True)
         assert (op.float() - ref).abs().max().item() < tol
-
-
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize(
-    "mode,b,w,splits,window",
-    [
-        (A.TREE, 2, 8, 3, False),
-        (A.TREE, 3, 1, 4, False),  # decode
-        (A.CAUSAL, 1, 40, 2, False),  # 120 folded rows: two query blocks, each merging
-        (A.FULL, 2, 9, 5, True),  # windowed: some splits empty
-    ],
-)
-def test_folded_merge_equals_reference(mode, b, w, splits, window, dtype, monkeypatch):
-    """FOLD_MERGE: the last split of each query block to arrive merges them (no _merge
-    launch); programs run out of order off CUDA, so the last to arrive is not the last split.
-    Equal to the reference, the same bits at every run, every counter back at zero."""
-    from ddserve.engine import layer_split
-
-    monkeypatch.setattr(T, "FOLD_MERGE", True)
-    merges = []
-    monkeypatch.setattr(
-        T, "_merge", type("M", (), {"__getitem__": lambda s, g: merges.append(g)})()
-    )
-    q, kc, vc, rows, past, tree, win = case(b, w, mode, window=window, dtype=dtype, seed=w + 1)
-    g = q.shape[1] // kc.shape[1]
-    ref_plan = A.plan("sdpa", past, mode, tree, w, kc.shape[2], g, dtype, win)
-    ref = A.attend(q, kc, vc, rows, b, w, ref_plan, False).float()
-    tree_t = tree if mode == A.TREE else None
-    with programs_out_of_order():
-        outs = [launch(q, kc, vc, rows, past, tree_t, win, w, mode, 0, splits) for _ in range(2)]
-    assert not merges
-    tol = 1e-5 if dtype == torch.float32 else 2e-2
-    assert (outs[0].reshape(b * w, -1).float() - ref).abs().max().item() < tol
-    assert torch.equal(outs[0], outs[1])
-    assert all(cnt.count_nonzero().item() == 0 for _, cnt in layer_split._SPACES.values())
 
 
 @pytest.mark.parametrize(

@@ -3,7 +3,7 @@ without one: triton's
 compiler down to PTX (and ptxas, which triton ships), in a process of its own (the kernel
 tests run triton's interpreter, which tolerates what the compiler may refuse: a value that
 changes type in a branch, a shape it cannot lay out). The PTX says what the GPU will run:
-split-K and the folded merge count programs in with one acq_rel atomic a program, unsplit
+split-K counts programs in with one acq_rel atomic a program, unsplit
 kernels have none. (The tree build of 2026-12-06 passed every interpreter test and did not
 compile: a loop variable changed type; the engine fell back to host trees on the GPU.)"""
 
@@ -24,7 +24,6 @@ import json
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from ddserve.engine import attention_triton as AT
 from ddserve.engine import layer_triton as LT
 
 target = GPUTarget("cuda", 90, 32)
@@ -49,10 +48,6 @@ qkv = dict(X=bf, NW=bf, Wqkv=bf, Bias=bf, Cos=bf, Sin=bf, Q=bf, KC=bf, VC=bf, Ro
            Wpos="*i64", WS="*fp32", Cnt="*i32", M=i32, H=i32, W=i32, NH=i32, KVH=i32,
            eps="fp32", sx=i32, sw=i32, sc=i32, sq_n=i32, sq_h=i32, sk_s=i32, sk_h=i32,
            sk_l=i32)
-at = dict(Q=bf, K=bf, V=bf, Rows="*i64", Past="*i64", Tree="*i64", Window="*i64", Out=bf,
-          Mp="*fp32", Lp="*fp32", Ap="*fp32", Cnt="*i32", sq_n=i32, sq_h=i32, sk_s=i32,
-          sk_h=i32, sk_l=i32, so_n=i32, so_h=i32, W=i32, G=i32, KVH=i32, SPLITS=i32,
-          MPAD=i32, LEN=i32, sm_scale="fp32")
 out = {}
 for split in (1, 3):
     tc = dict(IEEE=False, GEMV=False, BLOCK_M=16, PDL=True, SPLIT=split)
@@ -64,10 +59,6 @@ for split in (1, 3):
                                         PREFETCH=1152), num_warps=4))
     out[f"qkv/{split}"] = atoms(ptx(LT._qkv_rope, qkv, dict(tc, HD=64, HAS_BIAS=False,
                                     BLOCK_N=32, BLOCK_K=256, PREFETCH=1152), num_warps=8))
-for fold in (False, True):
-    consts = dict(HD=64, BLOCK_D=64, BLOCK_M=16, BLOCK_N=64, MODE=0, HAS_WINDOW=False,
-                  SPLIT=True, IEEE=False, PDL=True, PREFETCH=512, FOLD=fold, BLOCK_S=8)
-    out[f"attn/{fold}"] = atoms(ptx(AT._attn, at, consts, num_warps=4))
 from ddserve.engine import tree_triton as TT
 from ddserve.engine.tree import size_bound
 
@@ -93,6 +84,5 @@ def test_split_kernels_compile_for_hopper():
     for name in ("o", "down-gemv", "gate_up", "qkv"):
         assert atoms[f"{name}/1"] == 0, name  # unsplit: as before, no atomics
         assert atoms[f"{name}/3"] == 1, name  # split: one count a program
-    assert atoms["attn/False"] == 0 and atoms["attn/True"] == 1
     # the GPU tree build: the engine's start-up probe's shape (1 node), b15/k4's, b63/k8's
     assert {"tree/1", "tree/15", "tree/63"} <= set(atoms)

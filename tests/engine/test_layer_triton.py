@@ -315,18 +315,12 @@ def test_pdl_chain_equals_serial_launches(sets):
 
 
 @pytest.mark.skipif(not CUDA, reason="a race between a GPU's programs: CUDA only")
-@pytest.mark.parametrize("fold", [False, True], ids=["merge", "folded-merge"])
-def test_split_replays_are_deterministic(fold, monkeypatch):
+def test_split_replays_are_deterministic():
     """Split-K on a GPU, where a tile's programs race: four SmolLM2-sized bf16 layers of 16
     rows (1 x 16 tree rows) in one CUDA graph, every kernel's K loop in 64-column steps over
     up to 8 programs a tile (qkv, gate/up, o: 9 steps, 5 splits; down: 24, 8), replayed 300
     times: the same bits every replay (the finisher sums in split order, whoever arrives
-    last), close to the unsplit layers, and every counter back at zero. The attention splits
-    its keys (1 x 16 tree rows at 256 keys), merged by its second kernel or, FOLD_MERGE, by
-    its last split to arrive."""
-    from ddserve.engine import attention_triton
-
-    monkeypatch.setattr(attention_triton, "FOLD_MERGE", fold)
+    last), close to the unsplit layers, and every counter back at zero."""
     cfg = {**CFG, "hidden_size": 576, "intermediate_size": 1536, "num_heads": 9}
     cfg.update(num_kv_heads=3, head_dim=64)
     dt, b, w = torch.bfloat16, 1, 16
