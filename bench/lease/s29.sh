@@ -9,6 +9,11 @@
 #   3  carry .carry/r3 .carry/old   the real weights at C=1 (16 held-out prompts, 128 tokens,
 #                   bf16): .carry/old, this tree, this tree with unsplit.json, alternated; fp32
 #                   greedy == AR; round_profile on the real weights
+#   4  carry .whl .carry/tree24   after 1-3: the tree build of ec72aa5 back (the twenty-fourth
+#                   session's, .carry/tree24 = 2f1cf29's, measured slower) and split-K by
+#                   kernel (qkv, gate/up at 16 rows; gate/up at 8): GPU tests (tree build,
+#                   engine), tree_build against tree24, verify steps and C=1 rounds (random
+#                   SmolLM2, b7k4 and b15k4) the default against split3.json (the last default)
 mkdir -p /root/parts
 cp .carry/r*/* /root/parts/ 2>/dev/null  # the GGUF in three parts, .carry/r1..r3
 L=bench/results/layer-split
@@ -68,6 +73,27 @@ case ${CALL:?} in
     echo "fp32: ${SECONDS}s"
     timeout 100 python3 -m ddserve.bench.round_profile --device cuda --configs ar,dflash-b15k4 \
         --batches 1 --rounds 100 --kernels 30 --name rp-real --out $OUT 2>&1 | quiet
+    ;;
+4)
+    timeout 150 python3 -m pytest -q -p no:cacheprovider tests/engine/test_tree_triton.py \
+        tests/engine/test_static_engine.py -k "tree or compiled_glue or split" 2>&1 | tail -3 |
+        tee $OUT/gpu_tests_4.txt
+    echo "tests: ${SECONDS}s"
+    timeout 60 python3 -m ddserve.bench.tree_build --against .carry/tree24/tree_triton.py \
+        --out $OUT 2>&1 | tail -8
+    timeout 120 python3 -m ddserve.bench.static_step --model random-smollm2 \
+        --modes fused,fused+tuned --fused-tune $L/split3.json --attention triton \
+        --batches 1,2,8 --widths 1,8,16 --context 256 --name steps-split3 --out $OUT 2>&1 |
+        grep -e "^fused" -e Error -e error | cut -c1-110
+    echo "steps: ${SECONDS}s"
+    for v in new s3; do
+        pre=(-m ddserve.bench.round_profile)
+        [ $v = s3 ] && pre=(-m ddserve.bench.tuned $L/split3.json ddserve.bench.round_profile)
+        timeout 100 python3 "${pre[@]}" --model random-smollm2 --device cuda \
+            --configs dflash-b7k4,dflash-b15k4 --batches 1 --rounds 100 --name rp4-$v \
+            --out $OUT 2>&1 | quiet | grep -v "^ "
+        echo "rp4-$v: ${SECONDS}s"
+    done
     ;;
 esac
 rm -f $OUT/*.png 2>/dev/null || true

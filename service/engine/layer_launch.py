@@ -83,9 +83,14 @@ TUNE: dict[tuple[str, int], tuple[int, int, int, int]] = {}
 # without an entry is unsplit. SPLIT_K overrides (benchmarks: bench.tuned's "split_k").
 # Measured on an H100 (bench/results/layer-split/h100/, random SmolLM2, 256 keys, the
 # 16-row default sets: qkv, gate/up and down 3 block_k steps, o 5), verify steps of 16 rows
-# unsplit -> 3 splits: B=1 x W=16 1.069 -> 0.866 ms, 2 x 8 1.055 -> 0.861, 4 x 4 1.056 ->
-# 0.887, 16 x 1 1.171 -> 1.005; other shapes within noise (they do not split)
-SPLIT_K_DEFAULTS = {(k, 16): 3 for k in ("qkv", "gate_up", "o", "down")}
+# unsplit -> 3 splits of all four: B=1 x W=16 1.069 -> 0.866 ms, 2 x 8 1.055 -> 0.861, 4 x 4
+# 1.056 -> 0.887, 16 x 1 1.171 -> 1.005. Each kernel alone (`bench.layer_kernels --splits`,
+# results/layer-split/h100/s29/lk-split.json) then said o and down lose split (16 rows: 2.40
+# -> 2.83 us, 3.78 -> 4.57; they have 36 tiles) where qkv and gate/up gain (8.38 -> 4.59,
+# 7.61 -> 5.37), and gate/up gains at 8 rows too (8.53 -> 6.23): as verify steps, against
+# all four split at 16 rows, B=1 x W=8 0.991 -> 0.912 ms, 1 x 16 0.853 -> 0.829, 2 x 8 0.867
+# -> 0.843 (steps-lk.json)
+SPLIT_K_DEFAULTS = {("qkv", 16): 3, ("gate_up", 16): 3, ("gate_up", 8): 3}
 SPLIT_K: dict[tuple[str, int], int] = {}
 
 # Hopper and later. PDL, programmatic dependent launch: each kernel lets the next one start

@@ -8,10 +8,12 @@ weights: the heap's tie order, since slots are numbered in push order) as node t
 pushes its next sibling into slot 2t + 1 and its first child into slot 2t + 2 (either only
 when it exists and its log-prob is finite, as the host skips -inf). Weights are float64 and
 add up in the host's order (parent's weight + the candidate's log-prob), so the two builds
-agree node for node. The program first loads its top-k table into registers, so the
-steps (one per node, serial) touch no memory; the ancestor mask is made after them, every
-row climbing from its node to the root at once (before, each step loaded its table entries
-and its parent's mask row from memory and ended on a barrier).
+agree node for node. A node's attention row is its parent's row plus itself (parents are
+built first; a barrier ends every step, so the parent's row is in memory). (A version that
+held the top-k table in registers, with no memory access or barrier per step, and made the
+mask after the steps, each row climbing to the root, measured 1.5-2.7x slower on the H100:
+15.5 against 10.6 us for one b15/k4 tree, 205 against 75 for b63/k8; bench/NOTES.md,
+twenty-sixth session. Its code is in commit 2f1cf29.)
 
 Outputs per request b, node i < W (W = a power of two >= the tree's largest size): token,
 RoPE position (committed length + depth), parent (-1 the root, -2 a padding row), path
@@ -37,40 +39,33 @@ def _flag(c):
 
 
 @triton.jit
-def _pick(idx, at, table, fill):
-    """table[at] of a vector held in registers (`idx` its indices; `fill` where at is out of
-    range): the max over the one matching entry, so no other entry (a NaN) mixes in."""
-    return tl.max(tl.where(idx == at, table, fill), 0)
-
-
-@triton.jit
 def _build(
     LP, IDS, ROOT, LENS, TOK, POS, PAR, LOGW, MASK,
     s_b, s_d, depth_limit, k, budget,
-    W: tl.constexpr, F: tl.constexpr, T: tl.constexpr, R: tl.constexpr, DMAX: tl.constexpr,
+    W: tl.constexpr, F: tl.constexpr,
 ):  # fmt: skip
     b = tl.program_id(0)
     base = tl.load(LENS + b)
     n = tl.arange(0, W)
     f = tl.arange(0, F)
     neg_inf = float("-inf")
-    # the drafter's top k of every depth, in registers: table entry (d - 1) * s_d + r (the
-    # loop below reads them with no memory access, so its steps need no barrier)
-    t_at = tl.arange(0, T)
-    t_ok = (t_at // s_d < depth_limit) & (t_at % s_d < k)
-    t_lp = tl.load(LP + b * s_b + t_at, mask=t_ok, other=neg_inf)
-    t_id = tl.load(IDS + b * s_b + t_at, mask=t_ok, other=0)
+    lp_b = LP + b * s_b
+    ids_b = IDS + b * s_b
+    # every row sees itself; a node's row gains its ancestors when it is made
+    for i in range(0, W):
+        tl.store(MASK + (b * W + i) * W + n, (n == i).to(tl.int64))
     tok = tl.where(n == 0, tl.load(ROOT + b), 0).to(tl.int64)
     par = tl.where(n == 0, -1, -2).to(tl.int64)
     dep = tl.zeros([W], dtype=tl.int64)
     logw = tl.zeros([W], dtype=tl.float64)
     # the frontier: candidate slots in push order (slot 0 = depth 1, rank 0 under the root)
-    lp0 = _pick(t_at, 0, t_lp, neg_inf)
+    lp0 = tl.load(lp_b)
     c_alive = (f == 0) & _flag(lp0 > neg_inf)
     c_logw = tl.where(f == 0, 0.0 + lp0, neg_inf).to(tl.float64)
     c_dep = tl.where(f == 0, 1, 0).to(tl.int64)
     c_rank = tl.zeros([F], dtype=tl.int64)
     c_par = tl.zeros([F], dtype=tl.int64)
+    tl.debug_barrier()
     for t in range(0, budget):
         best = tl.argmax(tl.where(c_alive, c_logw, neg_inf), 0)
         sel = f == best
@@ -81,16 +76,18 @@ def _build(
         w = tl.sum(tl.where(sel, c_logw, 0.0), 0)
         node = t + 1
         at = (d - 1) * s_d + r
-        token = tl.where(ok, _pick(t_at, at, t_id, 0), 0)
+        token = tl.load(ids_b + at, mask=ok, other=0)
         mine = (n == node) & ok
         tok = tl.where(mine, token, tok)
         par = tl.where(mine, p, par)
         dep = tl.where(mine, d, dep)
         logw = tl.where(mine, w, logw)
+        row = tl.load(MASK + (b * W + p) * W + n, mask=(n >= 0) & ok, other=0)
+        tl.store(MASK + (b * W + node) * W + n, row | (n == node).to(tl.int64), mask=ok)
         c_alive = c_alive & ~sel
         # its next sibling (same parent, rank + 1) and its first child (depth + 1, rank 0)
         sib_ok = _flag(ok & (r + 1 < k))
-        sib_lp = tl.where(sib_ok, _pick(t_at, at + 1, t_lp, neg_inf), neg_inf)
+        sib_lp = tl.load(lp_b + at + 1, mask=sib_ok, other=neg_inf)
         parent_w = tl.sum(tl.where(n == p, logw, 0.0), 0)
         sib_ok = _flag(sib_ok & (sib_lp > neg_inf))  # NaN fails too
         s = f == 2 * t + 1
@@ -100,7 +97,7 @@ def _build(
         c_rank = tl.where(s, r + 1, c_rank)
         c_par = tl.where(s, p, c_par)
         kid_ok = _flag(ok & (d < depth_limit))
-        kid_lp = tl.where(kid_ok, _pick(t_at, d * s_d, t_lp, neg_inf), neg_inf)
+        kid_lp = tl.load(lp_b + d * s_d, mask=kid_ok, other=neg_inf)
         kid_ok = _flag(kid_ok & (kid_lp > neg_inf))
         c = f == 2 * t + 2
         c_alive = c_alive | (c & kid_ok)
@@ -108,25 +105,12 @@ def _build(
         c_dep = tl.where(c, d + 1, c_dep)
         c_rank = tl.where(c, 0, c_rank)
         c_par = tl.where(c, node, c_par)
+        tl.debug_barrier()
     out = b * W + n
     tl.store(TOK + out, tok)
     tl.store(POS + out, base + dep)
     tl.store(PAR + out, par)
     tl.store(LOGW + out, logw)
-    # the ancestor mask, R rows at a time: each row climbs from its node to the root (a
-    # node's depth is at most DMAX), marking every node it passes; padding rows (parent -2)
-    # mark themselves only
-    j = tl.arange(0, W)
-    for r0 in range(0, W, R):
-        i = r0 + tl.arange(0, R)
-        seen = j[None, :] == i[:, None]
-        cur = i
-        for _ in range(0, DMAX):
-            # (the sum comes out int64: back to cur's type, which a loop must keep)
-            up = tl.sum(tl.where(n[None, :] == cur[:, None], par[None, :], 0), 1).to(tl.int32)
-            cur = tl.where(cur >= 0, up, cur)  # -1 past the root, -2 under a padding row
-            seen = seen | (j[None, :] == cur[:, None])
-        tl.store(MASK + (b * W + i[:, None]) * W + j[None, :], seen.to(tl.int64))
 
 
 def build_trees(
@@ -145,22 +129,17 @@ def build_trees(
     b, depth, columns = top_lp.shape
     k = min(k, columns)  # fewer candidates than asked (a small vocabulary): only those
     dev = top_lp.device
-    # contiguous, so a depth's entries are `columns` apart (is_contiguous ignores the stride
-    # of a size-1 dimension: a lone depth's may be anything)
-    top_lp, top_ids = top_lp.contiguous(), top_ids.contiguous()
+    if top_lp.stride(2) != 1 or top_ids.stride() != top_lp.stride():
+        top_lp, top_ids = top_lp.contiguous(), top_ids.contiguous()
     tok = torch.empty(b, width, dtype=torch.int64, device=dev)
     pos, par = torch.empty_like(tok), torch.empty_like(tok)
     logw = torch.empty(b, width, dtype=torch.float64, device=dev)
     mask = torch.empty(b, width, width, dtype=torch.int64, device=dev)
     steps = size_bound(budget, depth, k)  # no more nodes exist: no empty steps past them
     frontier = triton.next_power_of_2(2 * steps + 1)
-    table = triton.next_power_of_2(depth * columns)  # the top-k entries read
-    rows = min(width, max(1, 4096 // width))  # mask rows a step of its loop takes
-    small = width * rows <= 1024 and table <= 256 and frontier <= 256
     _build[(b,)](
         top_lp, top_ids, root, lens, tok, pos, par, logw, mask,
-        depth * columns, columns, depth, k, steps,
-        W=width, F=frontier, T=table, R=rows, DMAX=min(depth, steps) + 1,
-        num_warps=1 if small else 4,
+        top_lp.stride(0), top_lp.stride(1), depth, k, steps,
+        W=width, F=frontier,
     )  # fmt: skip
     return tok, pos, par, logw, mask

@@ -65,9 +65,7 @@ from ddserve.engine.tree import size_bound
 types = ["*fp64", "*i64", "*i64", "*i64", "*i64", "*i64", "*i64", "*fp64", "*i64"] + [i32] * 5
 for budget, depth, k, width in ((1, 1, 1, 2), (15, 16, 4, 16), (63, 16, 8, 64)):
     steps = size_bound(budget, depth, k)
-    consts = dict(W=width, F=triton.next_power_of_2(2 * steps + 1),
-                  T=triton.next_power_of_2(depth * k), R=min(width, max(1, 4096 // width)),
-                  DMAX=min(depth, steps) + 1)
+    consts = dict(W=width, F=triton.next_power_of_2(2 * steps + 1))
     ptx(TT._build, dict(zip(TT._build.arg_names, types)), consts, num_warps=4)
     out[f"tree/{budget}"] = 0
 print(json.dumps(out))

@@ -406,9 +406,12 @@ def test_launch_parameters_by_row_class(monkeypatch):
     assert on == [True, False, False, True, True]
     assert L.prefetch_on(torch.device("cpu"), 0, 1, 2) is False
     assert L.pdl_on(torch.device("cpu"), 0, 8, 1) is False  # more slots than OVERLAP_MAX_BATCH
-    # split-K: the defaults' 3 programs a tile for the 16-row class (9-16 rows), none below;
-    # SPLIT_K overrides them
+    # split-K: the defaults' 3 programs a tile for qkv and gate/up in the 16-row class (9-16
+    # rows) and gate/up in the 8-row one (5-8), o and down unsplit; SPLIT_K overrides them
     monkeypatch.setattr(L, "SPLIT_K", {})
-    assert [L.split_k("o", m) for m in (1, 8, 9, 16, 17)] == [1, 1, 3, 3, 1]
-    L.SPLIT_K[("o", 16)] = 1
-    assert L.split_k("o", 16) == 1 and L.split_k("qkv", 16) == 3
+    assert [L.split_k("gate_up", m) for m in (1, 4, 5, 8, 9, 16, 17)] == [1, 1, 3, 3, 3, 3, 1]
+    assert [L.split_k("qkv", m) for m in (8, 9, 16, 17)] == [1, 3, 3, 1]
+    assert [L.split_k(k, m) for k in ("o", "down") for m in (8, 16)] == [1, 1, 1, 1]
+    L.SPLIT_K[("o", 16)] = 3
+    L.SPLIT_K[("qkv", 16)] = 1
+    assert L.split_k("o", 16) == 3 and L.split_k("qkv", 16) == 1
