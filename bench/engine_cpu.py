@@ -111,8 +111,10 @@ def engine_runs(
     against_ar = bool(configs) and configs[0].split("@")[0] == "ar"
     for name in configs:
         # @nofused: torch's layers (no fused triton kernels); @fused: fused also where auto
-        # would not (fp32: the kernels' exact products against the reference)
+        # would not (fp32: the kernels' exact products against the reference); @stepsN: N
+        # decoding steps a round without a drafter (--num-scheduler-steps)
         base, *modes = name.split("@")
+        steps = next((int(m[5:]) for m in modes if m.startswith("steps") and m[5:].isdigit()), 1)
         kind, budget, topk = REGISTRY[base]
         drafter = make_drafter(kind, m, dflash)
         gpu = m.device.type == "cuda"  # CUDA graphs and torch.compile on a GPU, as served
@@ -126,6 +128,7 @@ def engine_runs(
             graphs=gpu,
             compile=gpu,
             fused_layers="off" if "nofused" in modes else ("on" if "fused" in modes else "auto"),
+            scheduler_steps=steps,
         )
         eng.warm_up(LiveParams(budget=budget, topk=topk))
         eng.generate(

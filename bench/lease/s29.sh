@@ -14,6 +14,13 @@
 #                   kernel (qkv, gate/up at 16 rows; gate/up at 8): GPU tests (tree build,
 #                   engine), tree_build against tree24, verify steps and C=1 rounds (random
 #                   SmolLM2, b7k4 and b15k4) the default against split3.json (the last default)
+#   5  carry .whl .carry/r1 .carry/tree24   call 4's tests and measurements in short, and the
+#                   GPU tests of several decoding steps a round (static_steps: greedy fp32
+#                   under graphs == the reference, seeded samples == one-step rounds)
+#   6  carry .carry/r2   the GGUF's second part
+#   7  carry .carry/r3   the real weights at C=1: AR one step a round against 4 and 8
+#                   (--num-scheduler-steps), b7k4 and b15k4 (split-K by kernel) against
+#                   split3.json; fp32: the same answers (lossless column against AR)
 mkdir -p /root/parts
 cp .carry/r*/* /root/parts/ 2>/dev/null  # the GGUF in three parts, .carry/r1..r3
 L=bench/results/layer-split
@@ -94,6 +101,33 @@ case ${CALL:?} in
             --out $OUT 2>&1 | quiet | grep -v "^ "
         echo "rp4-$v: ${SECONDS}s"
     done
+    ;;
+5)
+    timeout 120 python3 -m pytest -q -p no:cacheprovider tests/engine/test_scheduler_steps.py \
+        tests/engine/test_tree_triton.py 2>&1 | tail -3 | tee $OUT/gpu_tests_5.txt
+    echo "tests: ${SECONDS}s"
+    timeout 60 python3 -m ddserve.bench.tree_build --against .carry/tree24/tree_triton.py \
+        --out $OUT 2>&1 | tail -8
+    timeout 120 python3 -m ddserve.bench.static_step --model random-smollm2 \
+        --modes fused,fused+tuned --fused-tune $L/split3.json --attention triton \
+        --batches 1,2,8 --widths 1,8,16 --context 256 --name steps-split3 --out $OUT 2>&1 |
+        grep -e "^fused" -e Error -e error | cut -c1-110
+    ;;
+6) ls -la /root/parts | tail -3 ;;
+7)
+    for v in new s3; do
+        pre=(-m ddserve.bench.engine_cpu)
+        c=ar,ar@steps4,ar@steps8,dflash-b7k4,dflash-b15k4
+        [ $v = s3 ] && pre=(-m ddserve.bench.tuned $L/split3.json ddserve.bench.engine_cpu) &&
+            c=ar,dflash-b7k4,dflash-b15k4
+        timeout 150 python3 "${pre[@]}" --device cuda --prompt-set heldout:16 --max-tokens 128 \
+            --configs $c --sampled-configs "" --no-server --name c1-$v --out $OUT 2>&1 |
+            quiet | tail -6
+        echo "c1-$v: ${SECONDS}s"
+    done
+    timeout 150 python3 -m ddserve.bench.engine_cpu --device cuda --dtype float32 \
+        --prompt-set heldout:16 --max-tokens 128 --configs ar,ar@steps4,dflash-b7k4 \
+        --sampled-configs "" --no-server --name fp32-steps --out $OUT 2>&1 | quiet | tail -4
     ;;
 esac
 rm -f $OUT/*.png 2>/dev/null || true

@@ -328,6 +328,13 @@ class EngineConfig(_Frozen):
         description="While requests decode, a round's prompt chunk runs on a CUDA stream of its own, beside their decode step (on a stream of high priority), instead of before it: both forwards are mostly launch-bound at these sizes and fill each other's idle multiprocessors, so the round takes about the longer of the two, not their sum, and --chunked-prefill-steps sizes the chunk to 1 + that many steps (a serial round's length). A prompt whose last chunk ran so is decoded from the next round. On an H200, 16 streams of ~2,900-token prompts: 1.17-1.36x the throughput of chunks before the step, a long prompt's first token ~40% sooner. auto = on with CUDA; on elsewhere keeps the order (one round later) with nothing to overlap (tests).",
         json_schema_extra={"flag": "--overlap-prefill"},
     )
+    num_scheduler_steps: int = Field(
+        1,
+        ge=1,
+        le=64,
+        description="Decoding steps per engine round of an engine without a drafter (vLLM's --num-scheduler-steps): each step's token feeds the next on the device and the round's tokens come back in one copy, so the host's work of a step (reading the token back, packing and launching the next) is paid once a round. The same tokens as one-step rounds; tokens arrive that many at a time, a request that ends inside a round waits for its last steps, and a round takes one step while prompts wait to join or when a request asks for log-probs. Builtin engine; with a drafter a round is one draft + verify.",
+        json_schema_extra={"flag": "--num-scheduler-steps"},
+    )
     decode_log_interval: int = Field(
         40,
         ge=0,

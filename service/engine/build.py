@@ -81,5 +81,6 @@ def build_engine(
         attention=config.attention_backend,
         fused_layers=config.fused_layers,
         memory_fraction=config.gpu_memory_utilization,
+        scheduler_steps=config.num_scheduler_steps,
     )
     return engine, loaded.tokenizer, max_context

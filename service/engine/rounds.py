@@ -97,7 +97,9 @@ class Rounds:
         self.last_budget = budget
         t0 = time.perf_counter()
         try:
-            news = self.engine.step_batch([r.seq for r in ready], params)
+            # several steps a round (no drafter) only while no prompt waits to join
+            steps = 1 if joining or self._pending else self.config.num_scheduler_steps
+            news = self.engine.step_batch([r.seq for r in ready], params, steps)
             step_s = time.perf_counter() - t0
         except Exception:
             self._prefill_done(chunk, pacing, joining)

@@ -158,15 +158,19 @@ class BatchSampler:
         self.buf: torch.Tensor | None = None
 
     def into(self, top: torch.Tensor, logits: torch.Tensor, groups: list[SampleGroup]):
-        packed = sample_inputs(groups)
-        if self.buf is None:
-            self.buf = torch.zeros(self.max_rows * 4, dtype=torch.float32, device=logits.device)
-        self.staging.copy(self.buf, packed)
-        rows, tokens, ok = sample_rows(logits, groups, self.buf[: packed.size].view(-1, 4))
+        rows, tokens, ok = sample_rows(logits, groups, self.staged(groups, logits.device))
         top = torch.cat([top, torch.ones_like(top[:1])])
         top[0, rows] = tokens
         top[2, rows] = ok.long()
         return top
+
+    def staged(self, groups: list[SampleGroup], device) -> torch.Tensor:
+        """sample_inputs(groups) on the device, copied up without a sync: [R, 4]."""
+        packed = sample_inputs(groups)
+        if self.buf is None:
+            self.buf = torch.zeros(self.max_rows * 4, dtype=torch.float32, device=device)
+        self.staging.copy(self.buf, packed)
+        return self.buf[: packed.size].view(-1, 4)
 
 
 def filtered_probs_rows(

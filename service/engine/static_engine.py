@@ -48,7 +48,7 @@ import torch
 from ddserve.config.engine import LiveParams
 from ddserve.engine.attention import backend as attention_backend
 from ddserve.engine.dflash import DFlashDrafter
-from ddserve.engine.drafters import Drafter
+from ddserve.engine.drafters import Drafter, NoDrafter
 from ddserve.engine.llama import Llama
 from ddserve.engine.sampling import (
     BatchSampler,
@@ -76,6 +76,7 @@ from ddserve.engine.static_prefill import (
     Prefill,
     fresh_chunks,
 )
+from ddserve.engine.static_steps import Steps
 from ddserve.engine.tree import DeviceTrees, ancestor_mask
 from ddserve.errors import EngineError
 
@@ -86,7 +87,7 @@ log = logging.getLogger(__name__)
 DRAFT_FUSED_LAYERS = False
 
 
-class StaticEngine(Prefill, Drafting, Accepting):
+class StaticEngine(Prefill, Drafting, Accepting, Steps):
     """The algorithm over one target model and one drafter; no threads, no I/O. `slots`
     requests at a time, each up to `max_context` tokens; `graphs` applies only on CUDA,
     `compile` wherever asked (the runner asks on CUDA)."""
@@ -108,8 +109,13 @@ class StaticEngine(Prefill, Drafting, Accepting):
         memory_fraction: float | None = None,
         device_tree: bool | None = None,
         fused_layers: str = "auto",
+        scheduler_steps: int = 1,
     ):
         self.model = model
+        # steps a round of an engine without a drafter takes (static_steps; vLLM's
+        # --num-scheduler-steps): its default, the runner's is per round (`step_batch`)
+        self.scheduler_steps = scheduler_steps
+        self.round_steps = 1  # the steps the last round took
         self.drafter = drafter
         self.depth = depth
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -249,14 +255,23 @@ class StaticEngine(Prefill, Drafting, Accepting):
         return out
 
     @torch.inference_mode()
-    def step_batch(self, seqs: list[Sequence], params: LiveParams) -> list[Outcome]:
+    def step_batch(
+        self, seqs: list[Sequence], params: LiveParams, steps: int | None = None
+    ) -> list[Outcome]:
         """One round of every sequence: draft and build each tree, verify all trees in one
-        target forward, then accept and commit per sequence.
+        target forward, then accept and commit per sequence. Without a drafter, `steps`
+        (default: the engine's `scheduler_steps`) one-token steps back to back on the
+        device (ddserve.engine.static_steps) where no sequence asks for log-probs.
 
         Atomic per round: if the shared part (drafts, verify) raises, nothing was committed
         and the caller may retry. After it, each sequence's outcome is its own: its new
         tokens, or the exception that ended it (its commit did not happen; the others' did).
         Per-request stats: its share of the draft time, and the verify's wall time."""
+        steps = self.scheduler_steps if steps is None else steps
+        if steps > 1 and isinstance(self.drafter, NoDrafter):
+            if all(seq.logprobs is None for seq in seqs):
+                return self._steps_round(seqs, steps)
+        self.round_steps = 1
         t0 = time.perf_counter()
         drafted = self._draft_trees(seqs, params)
         t1 = time.perf_counter()

@@ -33,6 +33,7 @@ from ddserve.engine.static import (
     layer_step,
     next_bucket,
 )
+from ddserve.errors import EngineError
 
 log = logging.getLogger(__name__)
 
@@ -148,6 +149,21 @@ class StaticTarget:
             inp[n : 2 * n].copy_(pos.view(-1))
             inp[3 * n + 2 * b :].copy_(mask.view(-1))
         return self.graphs.run(key, lambda: self._forward(inp, key), lane=int(not rows_are_slots))
+
+    def forward_next(self, key: tuple, tokens: torch.Tensor):
+        """The last decode forward of shape `key` (one token a row) once more, one position
+        on, from the device alone (ddserve.engine.static_steps): each row's token from
+        `tokens` [B]; rows that write real entries (below the guard) move their position,
+        write position and length one on, rows that only fill the shape keep writing their
+        guard entry."""
+        _, b, w, _ = key
+        if w != 1:
+            raise EngineError(f"forward_next steps one-token forwards, not width {w}")
+        inp = self.inputs[key]
+        live = (inp[2 * b : 3 * b] < self.pool.usable).long()
+        inp[b : 4 * b].view(3, b).add_(live)
+        inp[:b].copy_(tokens)
+        return self.graphs.run(key, lambda: self._forward(inp, key))
 
     def prefill_eager(self, key: tuple) -> bool:
         """Whether a prompt chunk of this shape runs without a CUDA graph (then of any width

@@ -1,0 +1,171 @@
+"""Several decoding steps a round (ddserve.engine.static_steps, `--num-scheduler-steps`): the
+same tokens as one-step rounds -- greedy token for token the reference's, alone and in
+batches with late joiners, stopping inside a round; seeded samples (with filters and a
+logit bias) draw for draw those of one-step rounds -- requests with log-probs fall back to
+one step, a step with non-finite logits ends its request with nothing committed, and the
+runner steps once a round while prompts wait. The CUDA test (graphs, fp32) runs on a GPU
+machine (the device tool), not in CI."""
+
+import asyncio
+
+import pytest
+import torch
+
+from ddserve.config.engine import EngineConfig, LiveParams
+from ddserve.engine.drafters import NoDrafter
+from ddserve.engine.runner import EngineRunner
+from ddserve.engine.sampling import SamplingParams
+from ddserve.engine.static_engine import StaticEngine
+from ddserve.engine.weights import random_llama, tiny_config
+from ddserve.errors import EngineError
+from tests.engine.reference import ReferenceEngine
+from tests.engine.test_batching import PROMPTS, run_lockstep
+
+LENGTHS = [30, 12, 25, 40, 5]
+AR = LiveParams(budget=0, topk=1)
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+
+
+def tiny_on(device: str):
+    return random_llama(tiny_config(vocab_size=512), seed=3).to(device)
+
+
+def engine(model, steps: int, eos=(), graphs=False) -> StaticEngine:
+    return StaticEngine(
+        model, NoDrafter(), 6, eos, slots=8, max_context=256, graphs=graphs, scheduler_steps=steps
+    )
+
+
+def check_greedy(model, graphs: bool):
+    ref = ReferenceEngine(model, NoDrafter(), 6, ())
+    alone = [
+        ref.generate(p, SamplingParams(max_tokens=n), AR)
+        for p, n in zip(PROMPTS, LENGTHS, strict=True)
+    ]
+    for steps in (2, 3, 8):
+        eng = engine(model, steps, graphs=graphs)
+        mine = [
+            eng.generate(p, SamplingParams(max_tokens=n), AR)
+            for p, n in zip(PROMPTS, LENGTHS, strict=True)
+        ]
+        assert [s.output for s in mine] == [s.output for s in alone], steps
+        for s in mine:  # plain decoding: one token a forward, whatever a round holds
+            assert s.stats.accept_lengths == [1] * len(s.output) and s.stats.tau == 1.0
+        assert eng.timing["rounds"] < sum(LENGTHS)  # several steps a round did run
+        together = run_lockstep(
+            eng, PROMPTS, [SamplingParams(max_tokens=n) for n in LENGTHS], AR, join_late={2, 4}
+        )
+        assert together == [s.output for s in alone], steps
+        assert eng.free_slots == 8
+
+
+def test_greedy_steps_equal_the_reference_cpu():
+    check_greedy(tiny_on("cpu"), graphs=False)
+
+
+@cuda
+def test_greedy_steps_equal_the_reference_cuda_graphs_fp32():
+    check_greedy(tiny_on("cuda"), graphs=True)
+
+
+def test_a_stop_token_inside_a_round_ends_the_answer_there():
+    """EOS at the 4th token of a 5-step round: the answer is the reference's, cut there; the
+    next request in the same slot decodes as if the round had stopped at the EOS."""
+    model = tiny_on("cpu")
+    base = ReferenceEngine(model, NoDrafter(), 6, ()).generate(
+        PROMPTS[0], SamplingParams(max_tokens=12), AR
+    )
+    eos = base.output[3]
+    want = ReferenceEngine(model, NoDrafter(), 6, (eos,)).generate(
+        PROMPTS[0], SamplingParams(max_tokens=12), AR
+    )
+    eng = engine(model, 5, eos=(eos,))
+    seq = eng.generate(PROMPTS[0], SamplingParams(max_tokens=12), AR)
+    assert seq.output == want.output and seq.finish_reason == "stop"
+    assert seq.output[-1] == eos and len(seq.output) <= 4
+    again = eng.generate(PROMPTS[1], SamplingParams(max_tokens=9), AR)
+    plain = engine(model, 1, eos=(eos,)).generate(PROMPTS[1], SamplingParams(max_tokens=9), AR)
+    assert again.output == plain.output
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=cuda)])
+def test_seeded_samples_draw_as_one_step_rounds_do(device):
+    """Sampled requests (temperature, top-k, top-p, a logit bias, seeds) beside greedy ones:
+    every token as in one-step rounds, the generator advanced once a step."""
+    model = tiny_on(device)
+    bias = ((5, 3.0), (9, -100.0))
+    sampling = [
+        SamplingParams(max_tokens=14, temperature=1.0, seed=1),
+        SamplingParams(max_tokens=9),
+        SamplingParams(max_tokens=11, temperature=0.7, top_k=20, top_p=0.9, seed=2),
+        SamplingParams(max_tokens=13, temperature=1.3, seed=3, logit_bias=bias),
+        SamplingParams(max_tokens=10, logit_bias=bias),
+    ]
+    outs = []
+    for steps in (1, 4):
+        eng = engine(model, steps, graphs=device == "cuda")
+        outs.append(run_lockstep(eng, PROMPTS, sampling, AR, join_late={2}))
+    assert outs[0] == outs[1]
+    assert 9 not in outs[1][3] and 9 not in outs[1][4]  # the bias holds in every step
+
+
+def test_requests_with_logprobs_take_one_step_rounds():
+    model = tiny_on("cpu")
+    eng = engine(model, 4)
+    seq = eng.generate(PROMPTS[0], SamplingParams(max_tokens=6, logprobs=2), AR)
+    plain = engine(model, 1).generate(PROMPTS[0], SamplingParams(max_tokens=6, logprobs=2), AR)
+    assert seq.output == plain.output and len(seq.logprobs) == 6
+    assert eng.timing["rounds"] == 6
+
+
+def test_non_finite_logits_end_the_request_with_nothing_committed():
+    model = tiny_on("cpu")
+    with torch.no_grad():
+        model.lm_head.weight[7] = float("nan")
+    eng = engine(model, 4)
+    seq = eng.new_sequence(PROMPTS[0], SamplingParams(max_tokens=8))
+    eng.prefill(seq)
+    length = seq.cache.length
+    (out,) = eng.step_batch([seq], AR)
+    assert isinstance(out, EngineError) and "non-finite" in str(out)
+    assert seq.output == [] and seq.cache.length == length and seq.finish_reason == "error"
+
+
+def test_runner_steps_once_a_round_while_prompts_wait(monkeypatch):
+    """Through the runner (num_scheduler_steps=4): concurrent requests get their answers alone;
+    a round with prompts joining asks for one step, a round without them for four."""
+    cfg = EngineConfig(
+        model="tiny-random",
+        device="cpu",
+        max_batch=4,
+        num_scheduler_steps=4,
+        drafter={"kind": "none"},
+    )
+    runner = EngineRunner(cfg)
+    asked = []
+    runner.start()
+    try:
+        step_batch = runner.engine.step_batch
+
+        def spy(seqs, params, steps=None):
+            asked.append(steps)
+            return step_batch(seqs, params, steps)
+
+        monkeypatch.setattr(runner.engine, "step_batch", spy)
+
+        async def one(p):
+            out = []
+            async for step in runner.generate(p, SamplingParams(max_tokens=10, ignore_eos=True)):
+                out += step.token_ids
+            return out
+
+        async def main():
+            together = await asyncio.gather(*(one([1, 5 + i, 9]) for i in range(6)))
+            alone = [await one([1, 5 + i, 9]) for i in range(6)]
+            return together, alone
+
+        together, alone = asyncio.run(main())
+    finally:
+        runner.shutdown()
+    assert together == alone and all(len(o) == 10 for o in together)
+    assert 1 in asked and 4 in asked
