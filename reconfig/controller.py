@@ -14,12 +14,13 @@ as `in_progress` when it starts, then with its outcome, whatever it is.
 from __future__ import annotations
 
 import getpass
+import math
 import time
 from collections.abc import Callable
 from datetime import UTC, datetime
 
 from ddserve.config.engine import EngineConfig
-from ddserve.errors import OperationFailed
+from ddserve.errors import ConfigError, OperationFailed
 from ddserve.reconfig.history import HistoryStore
 from ddserve.reconfig.plan import Plan, desired_config, plan
 
@@ -65,6 +66,8 @@ class Controller:
             self.progress(line)
         if dry_run or p.strategy == "none":
             return {"outcome": "dry-run" if dry_run else "unchanged", "plan": p.to_dict()}
+        if not (math.isfinite(deadline_s) and deadline_s > 0):
+            raise ConfigError(f"deadline {deadline_s}: a positive number of seconds")
         record = {
             "action": action,
             "target": self.target.name,
@@ -76,9 +79,24 @@ class Controller:
             "to_fingerprint": desired.fingerprint(),
             "plan": p.to_dict(),
             "outcome": "in_progress",
+            "deadline_s": deadline_s,
         }
         # visible at once, from wherever the target's state is read
         attempt = record["id"] = self.history.begin(record)
+        # one attempt at a time: of two begun together, the older one goes on (each sees
+        # the other's record once its own is in); two at once undid each other's change
+        ahead = self.history.ahead_of(attempt)
+        if ahead is not None:
+            record["outcome"] = "refused"
+            record["error"] = (
+                f"{ahead['id']} ({ahead.get('user', '?')}, since {ahead['started']}) is still "
+                "in progress: one reconfiguration at a time; retry once it has ended "
+                "(ddserve reconfig status)"
+            )
+            record["total_s"] = 0.0
+            self.history.append(record)
+            self.progress(f"{attempt}: refused: {record['error']}")
+            return record
         self.progress(
             f"{attempt}: applying ({p.strategy}) {current.fingerprint()} -> {desired.fingerprint()}"
         )

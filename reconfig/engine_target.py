@@ -28,7 +28,7 @@ from ddserve.backends.process import EngineProcess
 from ddserve.config import api_key
 from ddserve.config.engine import EngineConfig
 from ddserve.config.envfile import read_env_file, write_env_file
-from ddserve.errors import RolloutFailed, SupervisorError
+from ddserve.errors import EngineUnavailable, RolloutFailed, SupervisorError
 from ddserve.reconfig.history import History
 from ddserve.reconfig.plan import Plan
 
@@ -99,8 +99,14 @@ class EngineTarget:
         state = self.history.deployed()
         if state:
             return EngineConfig.model_validate(state["engine"])
-        r = httpx.get(self.url + "/server_info", timeout=10)
-        return EngineConfig.model_validate(r.json()["config"])
+        try:
+            r = httpx.get(self.url + "/server_info", timeout=10)
+            return EngineConfig.model_validate(r.json()["config"])
+        except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
+            raise EngineUnavailable(
+                f"no engine answers /server_info at {self.url} ({type(exc).__name__}: {exc}); "
+                "start it, or point --url at it"
+            ) from exc
 
     def observe(self) -> list[dict]:
         try:

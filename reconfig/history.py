@@ -11,6 +11,8 @@ One interface (`HistoryStore`):
                          two controllers never get the same id
   append(record)         records the attempt's final state (replaces the in-progress one)
   records(), get(id)     every attempt, in order; one by id
+  ahead_of(id)           an older attempt still in progress (the controller refuses a second
+                         attempt while one is under way)
   save_deployed(state), deployed()   the config in force after the last success (or `up`)
 """
 
@@ -20,9 +22,14 @@ import fcntl
 import json
 import os
 from abc import ABC, abstractmethod
+from datetime import UTC, datetime
 from pathlib import Path
 
 from ddserve.errors import ConfigError
+
+# an in-progress attempt whose controller stopped answering for this long past twice its
+# deadline is taken for dead (killed; its record never got an outcome)
+STALE_S = 60.0
 
 
 class HistoryStore(ABC):
@@ -52,11 +59,34 @@ class HistoryStore(ABC):
             if self._claim(attempt_id, {**record, "id": attempt_id}):
                 return attempt_id
 
+    def ahead_of(self, attempt_id: str, now: datetime | None = None) -> dict | None:
+        """An attempt begun before `attempt_id` (a lower id) and still in progress, if any.
+        One whose controller died (its record stays `in_progress`) stops counting once twice
+        its deadline (the rollout, then its rollback) and STALE_S have passed."""
+        now = now or datetime.now(UTC)
+        mine = _number(attempt_id)
+        for r in self.records():
+            if r.get("outcome") != "in_progress" or _number(r["id"]) >= mine:
+                continue
+            try:
+                started = datetime.fromisoformat(r["started"])
+            except (KeyError, TypeError, ValueError):
+                continue
+            limit = 2 * float(r.get("deadline_s", 300.0)) + STALE_S
+            if (now - started).total_seconds() <= limit:
+                return r
+        return None
+
     def get(self, attempt_id: str) -> dict:
         for r in self.records():
             if r["id"] == attempt_id:
                 return r
         raise ConfigError(f"no reconfiguration {attempt_id!r} in {self.where}")
+
+
+def _number(attempt_id: str) -> int:
+    """r0012 -> 12 (ids sort by it: r10000 after r9999)."""
+    return int(attempt_id[1:]) if attempt_id[1:].isdigit() else -1
 
 
 def latest_per_id(records: list[dict]) -> list[dict]:

@@ -46,6 +46,10 @@ from ddserve.api.served import Served
 from ddserve.errors import DDServeError, InvalidRequest
 
 log = logging.getLogger(__name__)
+# what Ray Serve raises in a replica's request when its client disconnected (by name: the API
+# also runs without Ray): a cancellation, not a server error (the probe of 2026-12-07 found
+# them counted in /server_info's errors and logged with tracebacks)
+CANCELLED = frozenset({"TaskCancelledError", "RequestCancelledError", "CancelledError"})
 
 
 def freeze_startup_heap() -> None:
@@ -134,6 +138,10 @@ def create_app(
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception):
+        if type(exc).__name__ in CANCELLED:  # the client left and Serve cancelled its request
+            s.totals["client_disconnects"] += 1
+            log.info("client of %s left; its request was cancelled", request.url.path)
+            return error_response(exc)
         log.error("unexpected error on %s %s", request.method, request.url.path, exc_info=exc)
         s.totals["errors"] += 1
         return error_response(exc)

@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from ddserve.config.engine import MAX_TEMPERATURE, MIN_TEMPERATURE
+from ddserve.config.engine import MAX_INT, MAX_TEMPERATURE, MIN_TEMPERATURE
 from ddserve.engine.sampling import MAX_ABS_BIAS, MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS
 
 MAX_COMPLETION_LOGPROBS = 5  # /v1/completions' logprobs=N, as OpenAI's
@@ -18,9 +18,9 @@ TEMPERATURE = (
     "below the floor logits / T overflows float32, so such values are refused."
 )
 SEED = f"Seed of the request's sampler, in [{MIN_SEED}, {MAX_SEED}]; none: a fresh one."
-# the largest integer a count or token id may take (what the engine's wire, msgpack, and its
-# int32/int64 tensors carry without overflow: larger values are a client's mistake, a 400)
-MAX_INT = (1 << 31) - 1
+# MAX_INT (ddserve.config.engine): the largest integer a count or token id may take (what the
+# engine's wire, msgpack, and its int32/int64 tensors carry without overflow: larger values
+# are a client's mistake, a 400)
 # stop strings of one request at most (OpenAI takes 4; vLLM and SGLang set no bound, but each is
 # matched against every chunk of text the request streams, in the API process)
 MAX_STOP = 256

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 
 from ddserve.config.deploy import load_config
@@ -15,6 +16,17 @@ from ddserve.reconfig.targets import TARGETS, check_admin, make_target
 from ddserve.serve.registry import ReplicaState, as_record
 
 FIELDS_HELP = "budget, topk, window, temperature, top_p, top_k (live parameters) or any engine field as a dotted path (e.g. drafter.depth)"
+
+
+def seconds(text: str) -> float:
+    """A deadline: a positive, finite number of seconds."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"{text!r}: a deadline is a positive number of seconds")
+    return value
 
 
 def add_parsers(sub, default_config: str) -> None:
@@ -58,7 +70,7 @@ def add_parsers(sub, default_config: str) -> None:
     s.add_argument("--dry-run", action="store_true", help="print the plan and stop")
     s.add_argument(
         "--deadline",
-        type=float,
+        type=seconds,
         default=300.0,
         help="seconds for the rollout to verify before it is rolled back",
     )
@@ -71,7 +83,7 @@ def add_parsers(sub, default_config: str) -> None:
         help="re-apply the config in force before attempt ID (default: the last success)",
     )
     rb.add_argument("id", nargs="?")
-    rb.add_argument("--deadline", type=float, default=300.0)
+    rb.add_argument("--deadline", type=seconds, default=300.0)
     rs.add_parser(
         "status",
         parents=[common],
@@ -175,6 +187,9 @@ def _report(record: dict) -> int:
             f"{record['id']}: succeeded in {record['total_s']:.1f}s; now serving {record['to_fingerprint']}"
         )
         return 0
+    if outcome == "refused":  # another attempt was under way: nothing was touched
+        print(f"ddserve: error: {record['id']} refused: {record['error']}", file=sys.stderr)
+        return 1
     print(
         f"ddserve: error: {record['id']} {outcome}: {record.get('error')}"
         + (

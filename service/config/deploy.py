@@ -160,8 +160,12 @@ def load_config(path: str | Path) -> ServeConfig:
         data = yaml.safe_load(p.read_text()) or {}
     except OSError as exc:
         raise ConfigError(f"cannot read config {p}: {exc.strerror}") from exc
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{p} is not UTF-8 text (byte {exc.start})") from exc
     except yaml.YAMLError as exc:
         raise ConfigError(f"{p} is not valid YAML: {str(exc).splitlines()[0]}") from exc
+    except RecursionError as exc:
+        raise ConfigError(f"{p}: its YAML nests too deeply") from exc
     if not isinstance(data, dict):
         raise ConfigError(f"{p}: the top level must be a mapping of fields")
     try:

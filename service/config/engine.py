@@ -52,8 +52,22 @@ def _one_line(v: str) -> str:
 Text = Annotated[str, AfterValidator(_one_line)]
 
 
+# the largest integer a config field holds (requests' limit too): what every process on the
+# wire (msgpack to the engine process, Serve's reconfigure) and the engine's int32 tensors take
+MAX_INT = (1 << 31) - 1
+
+
 class _Frozen(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
+
+    @field_validator("*")
+    @classmethod
+    def _int32(cls, v):
+        """Integers within 32 bits: a live top_k of 10^20 passed validation and took every
+        replica down at its reconfigure (msgpack's OverflowError)."""
+        if isinstance(v, int) and not isinstance(v, bool) and not -MAX_INT <= v <= MAX_INT:
+            raise ValueError(f"must be an integer of at most {MAX_INT} in size")
+        return v
 
 
 class LiveParams(_Frozen):
@@ -75,9 +89,15 @@ class LiveParams(_Frozen):
         2048, ge=1, le=1 << 20, description="Most recent tokens the drafter attends to."
     )
     temperature: float = Field(
-        0.0, ge=0.0, le=MAX_TEMPERATURE, description="Default sampling temperature; 0 = greedy."
+        0.0,
+        ge=0.0,
+        le=MAX_TEMPERATURE,
+        allow_inf_nan=False,
+        description="Default sampling temperature; 0 = greedy.",
     )
-    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Default nucleus mass in (0, 1].")
+    top_p: float = Field(
+        1.0, gt=0.0, le=1.0, allow_inf_nan=False, description="Default nucleus mass in (0, 1]."
+    )
     top_k: int = Field(0, ge=0, description="Default top-k sampling filter; 0 = off.")
 
     @field_validator("temperature", "top_p")

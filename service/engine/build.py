@@ -67,7 +67,14 @@ def build_engine(
     loaded = loaded or load_model(config.model, device, dtype)
     model = loaded.model.to(device=device, dtype=dtype)
     drafter = build_drafter(config, loaded, device, dtype)
-    max_context = config.max_context or model.cfg.max_position
+    limit = model.cfg.max_position
+    if config.max_context is not None and config.max_context > limit:
+        raise ConfigError(
+            f"max_context={config.max_context} exceeds the model's own limit of {limit} "
+            "tokens (its position embeddings were trained to there); lower --max-context",
+            param="max_context",
+        )
+    max_context = config.max_context or limit
     cuda = device == "cuda"
     engine = StaticEngine(
         model,

@@ -77,3 +77,28 @@ def test_each_prompt_counts_against_max_requests(runner):
         assert post_all(app, [body(PROMPTS[:3], stream=stream)])[0].status_code == 200
     [a, b] = post_all(app, [body(PROMPTS[:3]), body(PROMPTS[:3])])
     assert sorted((a.status_code, b.status_code)) == [200, 429]
+
+
+class TaskCancelledError(Exception):
+    """What Ray Serve raises in a replica's request whose client disconnected (same name)."""
+
+
+class Cancelled(LocalBackend):
+    async def stream(self, prompt, sampling):
+        raise TaskCancelledError("the client left")
+        yield  # an async generator
+
+
+def test_a_request_that_serve_cancelled_is_a_disconnect_not_a_server_error(runner):
+    app = create_app(Cancelled(runner))
+
+    async def go():
+        async with httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=app, raise_app_exceptions=False),
+            base_url="http://t",
+        ) as c:
+            await c.post("/v1/completions", json=body(["x"]))
+            return (await c.get("/server_info")).json()
+
+    totals = asyncio.run(go())["totals"]
+    assert totals["errors"] == 0 and totals["client_disconnects"] == 1

@@ -63,3 +63,84 @@ def test_engine_state_lives_with_the_engine_not_in_the_home_directory(tmp_path, 
     assert not (tmp_path / "home").exists()
     _, named = make_target("engine", cfg, env_file=str(env_file), state_dir=str(tmp_path / "lib"))
     assert named.dir == tmp_path / "lib"
+
+
+class GatedTarget:
+    """A stand-in target (the controller is under test): its apply waits for `gate`, and the
+    config in force is whatever was applied last."""
+
+    name = "gated"
+
+    def __init__(self):
+        from ddserve.config.engine import EngineConfig
+
+        self.config = EngineConfig(model="tiny-random")
+        self.gate, self.entered = threading.Event(), threading.Event()
+        self.applied = []
+
+    def current_config(self):
+        return self.config
+
+    def apply(self, desired, plan, attempt, deadline_s, progress):
+        self.entered.set()
+        self.gate.wait(10)
+        self.applied.append((attempt, desired.params.budget))
+        self.config = desired
+        return []
+
+
+def test_a_second_reconfiguration_while_one_is_under_way_is_refused(tmp_path):
+    """Two operators at once: the second is refused with a line naming the first, touches
+    nothing, and the first's change is what serves (before, the later one's rollback undid
+    the earlier one's success)."""
+    from ddserve.reconfig.controller import Controller
+
+    target, h = GatedTarget(), FileHistory(tmp_path / "s")
+    first = {}
+    t = threading.Thread(
+        target=lambda: first.update(Controller(target, h, progress=lambda _: None).reconfigure(
+            {"params.budget": 7}, deadline_s=30
+        ))
+    )  # fmt: skip
+    t.start()
+    assert target.entered.wait(10)
+    second = Controller(target, h, progress=lambda _: None).reconfigure({"params.budget": 6})
+    target.gate.set()
+    t.join(10)
+    assert second["outcome"] == "refused" and "r0001" in second["error"]
+    assert first["outcome"] == "succeeded" and target.applied == [("r0001", 7)]
+    assert target.config.params.budget == 7
+    assert [r["outcome"] for r in h.records()] == ["succeeded", "refused"]
+    # once it has ended, the next one goes ahead
+    target.entered.clear()
+    assert (
+        Controller(target, h, progress=lambda _: None).reconfigure({"params.budget": 5})["outcome"]
+        == "succeeded"
+    )
+
+
+def test_an_attempt_whose_controller_died_stops_blocking_after_twice_its_deadline(tmp_path):
+    from datetime import UTC, datetime, timedelta
+
+    from ddserve.reconfig.history import STALE_S
+
+    h = FileHistory(tmp_path / "s")
+    started = datetime(2026, 12, 7, 1, 0, tzinfo=UTC)
+    old = h.begin({"outcome": "in_progress", "started": started.isoformat(), "deadline_s": 30})
+    new = h.begin({"outcome": "in_progress", "started": started.isoformat(), "deadline_s": 30})
+    assert h.ahead_of(new, started + timedelta(seconds=60 + STALE_S))["id"] == old
+    assert h.ahead_of(new, started + timedelta(seconds=61 + STALE_S)) is None
+    assert h.ahead_of(old, started) is None  # the older attempt never waits for a newer one
+
+
+def test_a_deadline_must_be_a_positive_number_of_seconds(tmp_path):
+    from ddserve.reconfig.controller import Controller
+
+    target, h = GatedTarget(), FileHistory(tmp_path / "s")
+    target.gate.set()
+    for bad in (0.0, -5.0, float("nan"), float("inf")):
+        with pytest.raises(ConfigError, match="positive number of seconds"):
+            Controller(target, h, progress=lambda _: None).reconfigure(
+                {"params.budget": 7}, deadline_s=bad
+            )
+    assert h.records() == [] and target.applied == []
