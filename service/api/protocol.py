@@ -266,11 +266,19 @@ class ChatCompletionRequest(Sampling):
         return self
 
 
+COMPLETION_MAX_TOKENS = 16
+
+
 class CompletionRequest(Sampling):
     model: str
     prompt: str | list[str] | list[int] | list[list[int]] = Field(
         description=f"Text or token ids, or a list of up to {MAX_PROMPTS} of either: one "
         "choice per prompt (its `index`), each generated as its own request."
+    )
+    # OpenAI's legacy completions (and vLLM's) stop at 16 tokens unless asked: a prompt
+    # without max_tokens generated up to the whole context (8k tokens) here
+    max_tokens: int | None = Field(
+        COMPLETION_MAX_TOKENS, gt=0, description="Completion tokens at most; default 16."
     )
     echo: bool = False
     logprobs: int | None = Field(
@@ -281,7 +289,7 @@ class CompletionRequest(Sampling):
     )
     top_logprobs: int | None = Field(None, description="Chat only: use logprobs=N here.")
 
-    _null_echo = field_validator("echo", mode="before")(classmethod(_null_is_default))
+    _null_echo = field_validator("echo", "max_tokens", mode="before")(classmethod(_null_is_default))
 
     @field_validator("logprobs", mode="before")
     @classmethod
