@@ -216,6 +216,20 @@ class Message(_Body):
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[ContentPart] | None = None
 
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts_only(cls, v):
+        """A part of another type (an image, audio) named as such, not as a failed union
+        (`content.str: Input should be a valid string`)."""
+        if isinstance(v, list):
+            for i, part in enumerate(v):
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind != "text":
+                    raise ValueError(
+                        f"part {i} is of type {kind!r}: this model takes text parts only"
+                    )
+        return v
+
     @field_validator("content")
     @classmethod
     def _content(cls, v):

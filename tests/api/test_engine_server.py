@@ -174,6 +174,20 @@ def test_seeded_sampling_is_reproducible(client):
             400,
             "stream_options",
         ),
+        # an image part: named as such on the content (was `messages.0.content.str`)
+        (
+            {
+                "model": MODEL,
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [{"type": "image_url", "image_url": {"url": "http://x/a"}}],
+                    }
+                ],
+            },
+            400,
+            "messages.0.content",
+        ),
     ],
 )
 def test_bad_requests_get_openai_errors(engine_server, body, status, param):
