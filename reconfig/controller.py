@@ -83,25 +83,17 @@ class Controller:
         }
         # visible at once, from wherever the target's state is read
         attempt = record["id"] = self.history.begin(record)
-        # one attempt at a time: of two begun together, the older one goes on (each sees
-        # the other's record once its own is in); two at once undid each other's change
-        ahead = self.history.ahead_of(attempt)
-        if ahead is not None:
-            record["outcome"] = "refused"
-            record["error"] = (
-                f"{ahead['id']} ({ahead.get('user', '?')}, since {ahead['started']}) is still "
-                "in progress: one reconfiguration at a time; retry once it has ended "
-                "(ddserve reconfig status)"
-            )
-            record["total_s"] = 0.0
-            self.history.append(record)
-            self.progress(f"{attempt}: refused: {record['error']}")
-            return record
-        self.progress(
-            f"{attempt}: applying ({p.strategy}) {current.fingerprint()} -> {desired.fingerprint()}"
-        )
         t0 = time.monotonic()
         try:
+            refusal = self._refusal(attempt, current)
+            if refusal is not None:
+                record["outcome"], record["error"] = "refused", refusal
+                self.progress(f"{attempt}: refused: {refusal}")
+                return record
+            self.progress(
+                f"{attempt}: applying ({p.strategy}) {current.fingerprint()} -> "
+                f"{desired.fingerprint()}"
+            )
             self._apply_or_roll_back(record, current, desired, p, deadline_s)
         except (
             BaseException
@@ -114,6 +106,27 @@ class Controller:
             record["total_s"] = round(time.monotonic() - t0, 2)
             self.history.append(record)
         return record
+
+    def _refusal(self, attempt: str, current: EngineConfig) -> str | None:
+        """Why this attempt may not go on, if it may not. One attempt at a time: of two begun
+        together the older goes on (each sees the other's record once its own is in); and
+        the config it was planned against must still be the one in force (one read before
+        another attempt ended would revert that attempt's change). Two at once had undone
+        each other's change."""
+        ahead = self.history.ahead_of(attempt)
+        if ahead is not None:
+            return (
+                f"{ahead['id']} ({ahead.get('user', '?')}, since {ahead['started']}) is still "
+                "in progress: one reconfiguration at a time; retry once it has ended "
+                "(ddserve reconfig status)"
+            )
+        now = self.target.current_config().fingerprint()
+        if now != current.fingerprint():
+            return (
+                f"the config in force changed to {now} since this command read "
+                f"{current.fingerprint()} (another reconfiguration ended meanwhile); run it again"
+            )
+        return None
 
     def _apply_or_roll_back(
         self, record: dict, current: EngineConfig, desired: EngineConfig, p: Plan, deadline_s: float

@@ -352,7 +352,7 @@ class EngineConfig(_Frozen):
         1,
         ge=1,
         le=64,
-        description="Decoding steps per engine round of an engine without a drafter (vLLM's --num-scheduler-steps): each step's token feeds the next on the device and the round's tokens come back in one copy, so the host's work of a step (reading the token back, packing and launching the next) is paid once a round. The same tokens as one-step rounds; tokens arrive that many at a time, a request that ends inside a round waits for its last steps, and a round takes one step while prompts wait to join or when a request asks for log-probs. Builtin engine; with a drafter a round is one draft + verify.",
+        description="Decoding steps per engine round of an engine without a drafter (vLLM's --num-scheduler-steps): each step's token feeds the next on the device and the round's tokens come back in one copy, so the host's work of a step (reading the token back, packing and launching the next) is paid once a round. The same tokens as one-step rounds; tokens arrive that many at a time, a request that ends inside a round waits for its last steps, and a round takes one step while prompts wait to join, for a request's first token, or when a request asks for log-probs. Builtin engine; with a drafter a round is one draft + verify.",
         json_schema_extra={"flag": "--num-scheduler-steps"},
     )
     decode_log_interval: int = Field(

@@ -41,6 +41,8 @@ class Rounds:
                     self._fail(req, exc)
                     continue
             joining.append(req)
+        # one step this round (no drafter: num_scheduler_steps) while a prompt waits to join
+        steps = self._steps(joining, ready)
         if joining and ready and self.overlap and self.pacer.plain_due():
             joining = []  # this round's step runs alone, timed (PrefillPacer.REFRESH)
         if joining:  # the new requests' prompts in one batch; one by one if that fails
@@ -97,8 +99,6 @@ class Rounds:
         self.last_budget = budget
         t0 = time.perf_counter()
         try:
-            # several steps a round (no drafter) only while no prompt waits to join
-            steps = 1 if joining or self._pending else self.config.num_scheduler_steps
             news = self.engine.step_batch([r.seq for r in ready], params, steps)
             step_s = time.perf_counter() - t0
         except Exception:
@@ -118,7 +118,7 @@ class Rounds:
         if overlap:  # a step beside a chunk is no plain step: neither model counts it
             self.pacer.stepped_beside()
         else:
-            self.pacer.stepped(step_s)
+            self.pacer.stepped(step_s / self.engine.round_steps)  # one step's time
         made = sum(len(n) for n in news if isinstance(n, list))
         self._log_round(chunk, step_s, made, len(ready))
         if self.policy is not None and not overlap:
@@ -141,6 +141,16 @@ class Rounds:
             req.deliver(
                 StepOutput(new, seq.finished, seq.finish_reason, fingerprint, seq.stats, lp)
             )
+
+    def _steps(self, joining: list[EngineRequest], ready: list[EngineRequest]) -> int:
+        """Decoding steps this round takes (an engine without a drafter: several a round,
+        --num-scheduler-steps): one while a prompt waits to join (chunks go in between
+        rounds), a request that may start waits for a slot's round, or a request has yet to
+        see its first token (it comes after one step, not N)."""
+        n = self.config.num_scheduler_steps
+        if n == 1 or joining or (self._pending and self._room() > 0):
+            return 1
+        return 1 if any(not r.seq.output for r in ready) else n
 
     def _prefill_done(self, chunk: list, pacing: tuple | None, joining: list) -> None:
         """After the round's step: wait for a chunk that ran beside it (its GPU time replaces

@@ -15,8 +15,11 @@ step). What a round costs instead: a request's tokens arrive `steps` at a time, 
 whose answer ends inside a round pays the round's remaining steps (their tokens are
 dropped: `truncate_at_stop`; their cache entries lie past its length and are never read),
 and a request that arrives waits for the round in progress, so the runner runs one-step
-rounds while prompts wait (ddserve.engine.rounds). Requests that want log-probs take
-one-step rounds (their log-probs come from each step's logits)."""
+rounds while prompts wait and for a request's first token (ddserve.engine.rounds). Requests
+that want log-probs take one-step rounds (their log-probs come from each step's logits). A
+step with non-finite logits (or no drawable distribution) ends its request with none of the
+round's tokens, where one-step rounds would have streamed those before it: an error either
+way (a broken model's)."""
 
 from __future__ import annotations
 

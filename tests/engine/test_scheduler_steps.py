@@ -7,6 +7,7 @@ runner steps once a round while prompts wait. The CUDA test (graphs, fp32) runs 
 machine (the device tool), not in CI."""
 
 import asyncio
+import time
 
 import pytest
 import torch
@@ -133,13 +134,15 @@ def test_non_finite_logits_end_the_request_with_nothing_committed():
 
 def test_runner_steps_once_a_round_while_prompts_wait(monkeypatch):
     """Through the runner (num_scheduler_steps=4): concurrent requests get their answers alone;
-    a round with prompts joining asks for one step, a round without them for four."""
+    a round with prompts joining asks for one step, a round without them for four; every
+    request's first token comes after one step; the prefill pacer is told one step's time."""
     cfg = EngineConfig(
         model="tiny-random",
         device="cpu",
         max_batch=4,
         num_scheduler_steps=4,
         drafter={"kind": "none"},
+        overlap_prefill="on",  # prompts that end beside a step are stepped a round later
     )
     runner = EngineRunner(cfg)
     asked = []
@@ -147,25 +150,49 @@ def test_runner_steps_once_a_round_while_prompts_wait(monkeypatch):
     try:
         step_batch = runner.engine.step_batch
 
+        rounds, told = [], []
+
         def spy(seqs, params, steps=None):
             asked.append(steps)
-            return step_batch(seqs, params, steps)
+            t0 = time.perf_counter()
+            try:
+                return step_batch(seqs, params, steps)
+            finally:
+                rounds.append((runner.engine.round_steps, time.perf_counter() - t0))
 
+        stepped = runner.pacer.stepped
         monkeypatch.setattr(runner.engine, "step_batch", spy)
+        monkeypatch.setattr(runner.pacer, "stepped", lambda s: (told.append(s), stepped(s))[1])
+        firsts = []
 
-        async def one(p):
+        async def one(p, n=10, running=None):
             out = []
-            async for step in runner.generate(p, SamplingParams(max_tokens=10, ignore_eos=True)):
+            async for step in runner.generate(p, SamplingParams(max_tokens=n, ignore_eos=True)):
+                if not out:
+                    firsts.append(len(step.token_ids))
                 out += step.token_ids
+                if running is not None:
+                    running.set()
             return out
 
         async def main():
             together = await asyncio.gather(*(one([1, 5 + i, 9]) for i in range(6)))
             alone = [await one([1, 5 + i, 9]) for i in range(6)]
-            return together, alone
+            # one joining a running request: its prompt goes in beside that one's step
+            # (overlap), and it is stepped from the next round, with no prompt joining
+            running = asyncio.Event()
+            long = asyncio.create_task(one([2, 3, 4], 200, running))
+            await running.wait()
+            late = await one([1, 5, 9])
+            await long
+            return together, alone + [late]
 
         together, alone = asyncio.run(main())
+        alone, late = alone[:6], alone[6]
     finally:
         runner.shutdown()
-    assert together == alone and all(len(o) == 10 for o in together)
+    assert together == alone and all(len(o) == 10 for o in together) and late == alone[0]
     assert 1 in asked and 4 in asked
+    assert firsts == [1] * 14  # a first token after one step, never four
+    four = [t for n, t in rounds if n == 4]
+    assert four and max(told) < 0.6 * max(four)  # a step's time, not a 4-step round's

@@ -144,3 +144,20 @@ def test_a_deadline_must_be_a_positive_number_of_seconds(tmp_path):
                 {"params.budget": 7}, deadline_s=bad
             )
     assert h.records() == [] and target.applied == []
+
+
+def test_a_reconfiguration_planned_against_a_config_since_replaced_is_refused(tmp_path):
+    """B read the config while A was under way, and A has ended since: B's plan would revert
+    A's change (both recorded as succeeded), so B is refused and nothing is applied."""
+    from ddserve.reconfig.controller import Controller
+    from ddserve.reconfig.plan import desired_config
+
+    target, h = GatedTarget(), FileHistory(tmp_path / "s")
+    target.gate.set()
+    stale = target.current_config()
+    quiet = Controller(target, h, progress=lambda _: None)
+    assert quiet.reconfigure({"params.budget": 7})["outcome"] == "succeeded"
+    late = quiet.apply(stale, desired_config(stale, {"params.topk": 3}))
+    assert late["outcome"] == "refused" and "changed" in late["error"]
+    assert target.config.params.budget == 7 and target.config.params.topk == 4
+    assert len(target.applied) == 1
