@@ -33,6 +33,14 @@ run_v() {  # SECONDS VARIANT MODULE ARGS...: old (.carry/old), new (this tree), 
     [ $v = uns ] && pre=(-m ddserve.bench.tuned $L/unsplit.json "$@")
     PYTHONPATH=$pp:/tmp/site:$root timeout $t python3 "${pre[@]}"
 }
+tree_and_steps() {  # calls 4 and 5: the tree build against tree24, verify steps vs split3.json
+    timeout 60 python3 -m ddserve.bench.tree_build --against .carry/tree24/tree_triton.py \
+        --out $OUT 2>&1 | tail -8
+    timeout 120 python3 -m ddserve.bench.static_step --model random-smollm2 \
+        --modes fused,fused+tuned --fused-tune $L/split3.json --attention triton \
+        --batches 1,2,8 --widths 1,8,16 --context 256 --name steps-split3 --out $OUT 2>&1 |
+        grep -e "^fused" -e Error -e error | cut -c1-110
+}
 case ${CALL:?} in
 1)
     timeout 200 python3 -m pytest -q -p no:cacheprovider tests/engine/test_layer_triton.py \
@@ -86,12 +94,7 @@ case ${CALL:?} in
         tests/engine/test_static_engine.py -k "tree or compiled_glue or split" 2>&1 | tail -3 |
         tee $OUT/gpu_tests_4.txt
     echo "tests: ${SECONDS}s"
-    timeout 60 python3 -m ddserve.bench.tree_build --against .carry/tree24/tree_triton.py \
-        --out $OUT 2>&1 | tail -8
-    timeout 120 python3 -m ddserve.bench.static_step --model random-smollm2 \
-        --modes fused,fused+tuned --fused-tune $L/split3.json --attention triton \
-        --batches 1,2,8 --widths 1,8,16 --context 256 --name steps-split3 --out $OUT 2>&1 |
-        grep -e "^fused" -e Error -e error | cut -c1-110
+    tree_and_steps
     echo "steps: ${SECONDS}s"
     for v in new s3; do
         pre=(-m ddserve.bench.round_profile)
@@ -106,12 +109,7 @@ case ${CALL:?} in
     timeout 120 python3 -m pytest -q -p no:cacheprovider tests/engine/test_scheduler_steps.py \
         tests/engine/test_tree_triton.py 2>&1 | tail -3 | tee $OUT/gpu_tests_5.txt
     echo "tests: ${SECONDS}s"
-    timeout 60 python3 -m ddserve.bench.tree_build --against .carry/tree24/tree_triton.py \
-        --out $OUT 2>&1 | tail -8
-    timeout 120 python3 -m ddserve.bench.static_step --model random-smollm2 \
-        --modes fused,fused+tuned --fused-tune $L/split3.json --attention triton \
-        --batches 1,2,8 --widths 1,8,16 --context 256 --name steps-split3 --out $OUT 2>&1 |
-        grep -e "^fused" -e Error -e error | cut -c1-110
+    tree_and_steps
     ;;
 6) ls -la /root/parts | tail -3 ;;
 7)

@@ -303,7 +303,9 @@ class CompletionRequest(Sampling):
     )
     top_logprobs: int | None = Field(None, description="Chat only: use logprobs=N here.")
 
-    _null_echo = field_validator("echo", "max_tokens", mode="before")(classmethod(_null_is_default))
+    _null_defaults = field_validator("echo", "max_tokens", mode="before")(
+        classmethod(_null_is_default)
+    )
 
     @field_validator("logprobs", mode="before")
     @classmethod

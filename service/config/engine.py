@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import re
 from typing import Annotated, Literal
 
@@ -99,13 +98,6 @@ class LiveParams(_Frozen):
         1.0, gt=0.0, le=1.0, allow_inf_nan=False, description="Default nucleus mass in (0, 1]."
     )
     top_k: int = Field(0, ge=0, description="Default top-k sampling filter; 0 = off.")
-
-    @field_validator("temperature", "top_p")
-    @classmethod
-    def _finite(cls, v: float) -> float:
-        if not math.isfinite(v):
-            raise ValueError("must be a finite number")
-        return v
 
     @field_validator("temperature")
     @classmethod

@@ -20,6 +20,11 @@ from ddserve.engine.tree import WALK_ROWS, accept_batch
 from ddserve.errors import EngineError
 
 Decision = tuple[list[int], list[int], int]  # accepted nodes, their tokens, the bonus token
+# what ends a request whose rows went wrong (here and in multi-step rounds, static_steps)
+NON_FINITE = "the target produced non-finite logits (broken weights?)"
+NO_DISTRIBUTION = (
+    "sampling found no finite distribution at this request's temperature, top_p and top_k"
+)
 
 
 class Accepting:
@@ -44,16 +49,11 @@ class Accepting:
         failed = {}  # index in seqs -> what ended it; a request's own rows only where some failed
         if not top[1].all():
             for i in np.flatnonzero(~(top[1].reshape(b, w)[rows].astype(bool) | ~nodes).all(1)):
-                failed[int(i)] = EngineError(
-                    "the target produced non-finite logits (broken weights?)"
-                )
+                failed[int(i)] = EngineError(NON_FINITE)
         if top.shape[0] >= 3 and not top[2].all():
             for i in np.flatnonzero(~(top[2].reshape(b, w)[rows].astype(bool) | ~nodes).all(1)):
                 if int(i) not in failed and not seqs[i].sampling.greedy:
-                    failed[int(i)] = EngineError(
-                        "sampling found no finite distribution at this request's temperature, "
-                        "top_p and top_k"
-                    )
+                    failed[int(i)] = EngineError(NO_DISTRIBUTION)
         decided: list[Decision | Exception] = []
         for i, (p, n, pt, bt) in enumerate(
             zip(paths.tolist(), lengths.tolist(), ptoks.tolist(), bonus.tolist(), strict=True)

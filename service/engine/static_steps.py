@@ -31,6 +31,7 @@ import torch
 from ddserve.engine.sampling import SampleGroup, sample_rows
 from ddserve.engine.sequence import Outcome, Sequence, truncate_at_stop
 from ddserve.engine.static import next_bucket
+from ddserve.engine.static_accept import NO_DISTRIBUTION, NON_FINITE
 from ddserve.engine.static_models import pack_target
 from ddserve.errors import EngineError
 
@@ -97,7 +98,9 @@ class Steps:
                 bad = np.union1d(bad, np.flatnonzero(host[: len(new), 2, s] == 0))
             if bad.size:  # a step that went wrong: the request ends, nothing of it committed
                 seq.finish_reason = "error"
-                result.append(EngineError(self._failure(host, bad[0], s, seq)))
+                result.append(
+                    EngineError(NON_FINITE if host[bad[0], 1, s] == 0 else NO_DISTRIBUTION)
+                )
                 continue
             seq.last_path = []
             seq.cache.length += len(new)  # the inputs of its kept steps
@@ -114,11 +117,3 @@ class Steps:
         tm["verify_s"] += t2 - t1
         tm["accept_s"] += time.perf_counter() - t2 + t1 - t0
         return result
-
-    @staticmethod
-    def _failure(host: np.ndarray, step: int, slot: int, seq: Sequence) -> str:
-        if host[step, 1, slot] == 0:
-            return "the target produced non-finite logits (broken weights?)"
-        return (
-            "sampling found no finite distribution at this request's temperature, top_p and top_k"
-        )
