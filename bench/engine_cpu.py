@@ -112,7 +112,7 @@ def engine_runs(
     for name in configs:
         # @nofused: torch's layers (no fused triton kernels); @fused: fused also where auto
         # would not (fp32: the kernels' exact products against the reference); @stepsN: N
-        # decoding steps a round without a drafter (--num-scheduler-steps)
+        # decoding steps (or DDTree rounds) a host round trip (--num-scheduler-steps)
         base, *modes = name.split("@")
         steps = next((int(m[5:]) for m in modes if m.startswith("steps") and m[5:].isdigit()), 1)
         kind, budget, topk = REGISTRY[base]

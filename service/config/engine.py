@@ -344,7 +344,7 @@ class EngineConfig(_Frozen):
         1,
         ge=1,
         le=64,
-        description="Decoding steps per engine round of an engine without a drafter (vLLM's --num-scheduler-steps): each step's token feeds the next on the device and the round's tokens come back in one copy, so the host's work of a step (reading the token back, packing and launching the next) is paid once a round. The same tokens as one-step rounds; tokens arrive that many at a time, a request that ends inside a round waits for its last steps, and a round takes one step while prompts wait to join, for a request's first token, or when a request asks for log-probs. Builtin engine; with a drafter a round is one draft + verify.",
+        description="Decoding steps per host round trip of the builtin engine (vLLM's --num-scheduler-steps): without a drafter each step's token feeds the next on the device; with a DFlash drafter whose trees the GPU builds, that many draft + verify rounds run back to back with the accept on the device. The round's tokens come back in one copy, so the host's work of a step (reading it back, accepting, packing and launching the next) is paid once. The same tokens as one-step rounds; tokens arrive that many steps at a time, a request that ends inside them waits for the last ones, and one step is taken while prompts wait to join, for a request's first token, when a request asks for log-probs, and at budget 0. Other drafters take one round.",
         json_schema_extra={"flag": "--num-scheduler-steps"},
     )
     decode_log_interval: int = Field(

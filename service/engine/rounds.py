@@ -41,7 +41,7 @@ class Rounds:
                     self._fail(req, exc)
                     continue
             joining.append(req)
-        # one step this round (no drafter: num_scheduler_steps) while a prompt waits to join
+        # one step this round (num_scheduler_steps) while a prompt waits to join
         steps = self._steps(joining, ready)
         if joining and ready and self.overlap and self.pacer.plain_due():
             joining = []  # this round's step runs alone, timed (PrefillPacer.REFRESH)
@@ -124,7 +124,8 @@ class Rounds:
         if self.policy is not None and not overlap:
             done = zip(ready, news, strict=True)
             paths = [r.seq.last_path for r, n in done if not isinstance(n, Exception)]
-            self._adapt("record", rows, budget, step_s, paths)
+            # a round's time (of several back to back on the device: static_spec, their mean)
+            self._adapt("record", rows, budget, step_s / self.engine.round_steps, paths)
         # past the shared forward each request's outcome is its own: a failure ends that
         # request only, every other one gets this round's tokens (exactly once)
         for req, new in zip(ready, news, strict=True):
@@ -143,10 +144,10 @@ class Rounds:
             )
 
     def _steps(self, joining: list[EngineRequest], ready: list[EngineRequest]) -> int:
-        """Decoding steps this round takes (an engine without a drafter: several a round,
-        --num-scheduler-steps): one while a prompt waits to join (chunks go in between
-        rounds), a request that may start waits for a slot's round, or a request has yet to
-        see its first token (it comes after one step, not N)."""
+        """Decoding steps (or DDTree rounds) this call takes (--num-scheduler-steps): one
+        while a prompt waits to join (chunks go in between rounds), a request that may
+        start waits for a slot's round, or a request has yet to see its first token (it
+        comes after one step, not N)."""
         n = self.config.num_scheduler_steps
         if n == 1 or joining or (self._pending and self._room() > 0):
             return 1

@@ -55,6 +55,7 @@ class StaticDFlash:
         )
         self.graphs = GraphCache(graphs, "dflash")
         self.inputs: dict[tuple, torch.Tensor] = {}
+        self.last_key = None  # the last draft's shape (`again`)
         self.staging = Staging()
         # tapped target outputs of each slot's newly committed tokens, copied here right
         # after the verify that produced them; the next draft writes their keys/values
@@ -149,6 +150,13 @@ class StaticDFlash:
     def forward(self, packed: np.ndarray, key: tuple):
         inp = self._inputs(key)
         self.staging.copy(inp, packed)
+        self.last_key = key
+        return self.graphs.run(key, lambda: self._forward(key))
+
+    def again(self):
+        """The last forward's shape once more, from its inputs as they are on the device now
+        (ddserve.engine.static_spec rewrites them there between rounds)."""
+        key = self.last_key
         return self.graphs.run(key, lambda: self._forward(key))
 
     def _forward(self, key: tuple):

@@ -57,7 +57,11 @@ class Drafting:
         bound = size_bound(budget, depth, topk) + 1
         return next_bucket(bound, 1, 1 << 30), bound
 
-    def _draft_trees(self, seqs: list[Sequence], params: LiveParams) -> list[Tree] | DeviceTrees:
+    def _draft_trees(
+        self, seqs: list[Sequence], params: LiveParams, reach: int = 0
+    ) -> list[Tree] | DeviceTrees:
+        """Every sequence's tree of this round; `reach`: positions the context may grow by
+        before this shape drafts again (rounds back to back on the device, static_spec)."""
         t0 = time.perf_counter()
         depth = self.block_depth(params.budget)
         if self.sdraft is None or depth <= 0:
@@ -88,7 +92,7 @@ class Drafting:
         bwpos[slots] = bpos[slots] = root_pos[:, None] + np.arange(q)
         lens[slots], window[slots] = root_pos, params.window
         packed = pack_draft(cwpos, root, bwpos, bpos, lens, window)
-        ctx = self.target.ctx_bucket(int(root_pos.max()) + q)
+        ctx = self.target.ctx_bucket(int(root_pos.max()) + q + reach)
         if self.device_tree:  # the trees on the GPU, left there for the verify
             width, bound = self.tree_width(params.budget, params.topk, depth)
             key = (b, depth, ctx, params.topk, params.budget, width)

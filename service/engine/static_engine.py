@@ -60,6 +60,7 @@ from ddserve.engine.sampling import (
 )
 from ddserve.engine.sequence import Outcome, Sequence, truncate_at_stop
 from ddserve.engine.static import (
+    GraphCache,
     SlotCache,
     compile_layer_step,
     fused_layers_on,
@@ -76,6 +77,7 @@ from ddserve.engine.static_prefill import (
     Prefill,
     fresh_chunks,
 )
+from ddserve.engine.static_spec import SpecSteps
 from ddserve.engine.static_steps import Steps
 from ddserve.engine.tree import DeviceTrees, ancestor_mask
 from ddserve.errors import EngineError
@@ -87,7 +89,7 @@ log = logging.getLogger(__name__)
 DRAFT_FUSED_LAYERS = False
 
 
-class StaticEngine(Prefill, Drafting, Accepting, Steps):
+class StaticEngine(Prefill, Drafting, Accepting, Steps, SpecSteps):
     """The algorithm over one target model and one drafter; no threads, no I/O. `slots`
     requests at a time, each up to `max_context` tokens; `graphs` applies only on CUDA,
     `compile` wherever asked (the runner asks on CUDA)."""
@@ -176,6 +178,8 @@ class StaticEngine(Prefill, Drafting, Accepting, Steps):
         # sampled requests' rows, all at once (inputs staged like the verify's: no sync)
         self.sampler = BatchSampler(self.pool.slots * self.pool.guard, self.target.staging)
         self._side, self._launched = None, None  # the overlapped prefill's stream, its run
+        # several DDTree rounds a host round trip (static_spec): their glue's graphs, buffers
+        self.spec_graphs, self._spec = GraphCache(graphs, "spec"), {}
         self.timing = {"rounds": 0, "draft_s": 0.0, "tree_s": 0.0, "verify_s": 0.0, "accept_s": 0.0}
 
     def _tree_kernel_runs(self) -> bool:
@@ -259,18 +263,21 @@ class StaticEngine(Prefill, Drafting, Accepting, Steps):
         self, seqs: list[Sequence], params: LiveParams, steps: int | None = None
     ) -> list[Outcome]:
         """One round of every sequence: draft and build each tree, verify all trees in one
-        target forward, then accept and commit per sequence. Without a drafter, `steps`
-        (default: the engine's `scheduler_steps`) one-token steps back to back on the
-        device (ddserve.engine.static_steps) where no sequence asks for log-probs.
+        target forward, then accept and commit per sequence. `steps` (default: the
+        engine's `scheduler_steps`) where no sequence asks for log-probs: without a drafter
+        that many one-token steps back to back on the device (ddserve.engine.static_steps);
+        with DFlash trees built on the GPU that many rounds (ddserve.engine.static_spec).
 
         Atomic per round: if the shared part (drafts, verify) raises, nothing was committed
         and the caller may retry. After it, each sequence's outcome is its own: its new
         tokens, or the exception that ended it (its commit did not happen; the others' did).
         Per-request stats: its share of the draft time, and the verify's wall time."""
         steps = self.scheduler_steps if steps is None else steps
-        if steps > 1 and isinstance(self.drafter, NoDrafter):
-            if all(seq.logprobs is None for seq in seqs):
+        if steps > 1 and all(seq.logprobs is None for seq in seqs):
+            if isinstance(self.drafter, NoDrafter):
                 return self._steps_round(seqs, steps)
+            if (out := self._spec_rounds(seqs, params, steps)) is not None:
+                return out
         self.round_steps = 1
         t0 = time.perf_counter()
         drafted = self._draft_trees(seqs, params)

@@ -136,11 +136,7 @@ class StaticTarget:
         key = (rows_are_slots, b, w, ctx)
         if not rows_are_slots and self.prefill_eager(key):
             return self._prefill_eager(packed, key)
-        inp = self.inputs.get(key)
-        if inp is None:
-            n = b * w
-            size = 3 * n + 2 * b + (n * w if rows_are_slots else 0)  # pack_target's layout
-            inp = self.inputs[key] = torch.zeros(size, dtype=torch.long, device=self.model.device)
+        inp = self.buffer(key)
         self.staging.copy(inp, packed)
         if trees is not None:
             n = b * w
@@ -149,6 +145,22 @@ class StaticTarget:
             inp[n : 2 * n].copy_(pos.view(-1))
             inp[3 * n + 2 * b :].copy_(mask.view(-1))
         return self.graphs.run(key, lambda: self._forward(inp, key), lane=int(not rows_are_slots))
+
+    def buffer(self, key: tuple) -> torch.Tensor:
+        """The integer inputs of the forward of shape `key`, in pack_target's layout."""
+        inp = self.inputs.get(key)
+        if inp is None:
+            rows_are_slots, b, w, _ = key
+            n = b * w
+            size = 3 * n + 2 * b + (n * w if rows_are_slots else 0)  # pack_target's layout
+            inp = self.inputs[key] = torch.zeros(size, dtype=torch.long, device=self.model.device)
+        return inp
+
+    def replay(self, key: tuple):
+        """A verify of shape `key` from inputs already written on the device (`buffer`:
+        ddserve.engine.static_spec fills them there)."""
+        inp = self.buffer(key)
+        return self.graphs.run(key, lambda: self._forward(inp, key))
 
     def forward_next(self, key: tuple, tokens: torch.Tensor):
         """The last decode forward of shape `key` (one token a row) once more, one position

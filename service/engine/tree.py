@@ -219,6 +219,29 @@ def accept_batch(
     return paths, lengths, targets[rows, cur], path_tokens
 
 
+def accept_device(tokens, parents, mask, targets):
+    """`accept_batch` on the device with no host step (ddserve.engine.static_spec): [B, W]
+    tensors of tokens, parents (-1 the root, -2 padding), the trees' ancestor masks [B, W, W]
+    (nonzero: the column is the row's node or one of its ancestors) and the target's choices.
+    A node is taken where its token is the target's at its parent and no earlier sibling's
+    is (the first such child, as `accept` picks), and every ancestor of it is taken: the
+    chain from the root. Children come after their parents, so the chain in index order is
+    the path. Returns (keep [B, W]: the root, the path's nodes, then each column's own index;
+    lengths [B]; bonus tokens [B]): the entries start + keep[j] move to start + j."""
+    w = tokens.shape[1]
+    idx = torch.arange(w, device=tokens.device)
+    good = (parents >= 0) & (tokens == targets.gather(1, parents.clamp(min=0)))
+    same = parents[:, :, None] == parents[:, None, :]  # [B, node, other]
+    earlier = (same & good[:, None, :] & (idx[None, :] < idx[:, None])).any(-1)
+    good = (good & ~earlier) | (idx == 0)
+    taken = ~((mask != 0) & ~good[:, None, :]).any(-1)
+    lengths = taken.sum(1) - 1
+    order = torch.where(taken, idx, idx + w).argsort(1)  # taken nodes first, ascending
+    keep = torch.where(idx <= lengths[:, None], order, idx)
+    bonus = targets.gather(1, order.gather(1, lengths[:, None]))[:, 0]
+    return keep, lengths, bonus
+
+
 def ancestor_mask(tree: Tree, width: int | None = None) -> np.ndarray:
     """[W, W] bool (W = width or the tree's size): mask[i, j] = node j is node i or one of
     its ancestors. Rows past the tree (padding to a fixed width) see only themselves."""

@@ -1,0 +1,242 @@
+"""Several DDTree rounds a host round trip (ddserve.engine.static_spec, `--num-scheduler-steps`
+with a DFlash drafter whose trees the device builds): the accept on the device is the host
+walk's, path for path; greedy answers are the reference's token for token with the same
+accept lengths, alone and in batches with late joiners, at every budget shape, up to the
+context's end and stopping inside the rounds; seeded samples draw as one-round rounds do and
+follow the target's distribution; log-probs and budget-0 rounds take one round; non-finite
+logits end the request with nothing committed. Off CUDA the trees come from the host oracle
+of the tree kernel (test_tree_triton); the CUDA tests (graphs, fp32) run on a GPU machine
+(the device tool), not in CI."""
+
+import numpy as np
+import pytest
+import torch
+
+from ddserve.config.engine import LiveParams
+from ddserve.engine.dflash import DFlashDrafter
+from ddserve.engine.sampling import SamplingParams
+from ddserve.engine.static_engine import StaticEngine
+from ddserve.engine.tree import accept_batch, accept_device, ancestor_mask, build_tree_top
+from ddserve.engine.weights import random_llama, tiny_config
+from ddserve.errors import EngineError
+from tests.engine.reference import ReferenceDFlash, ReferenceEngine
+from tests.engine.test_batching import PROMPTS, check_batched_sampling, run_lockstep
+from tests.engine.test_lossless import random_dflash
+from tests.engine.test_tree_triton import host_build_trees
+
+CUDA = torch.cuda.is_available()
+cuda = pytest.mark.skipif(not CUDA, reason="CUDA graphs need a GPU")
+LENGTHS = [30, 12, 25, 40, 5]
+
+
+@pytest.fixture(autouse=True)
+def oracle_kernel(monkeypatch):
+    if not CUDA:
+        from ddserve.engine import tree_triton
+
+        monkeypatch.setattr(tree_triton, "build_trees", host_build_trees)
+
+
+def models(vocab: int, device: str = "cpu", dtype=torch.float32):
+    """A target and its untrained DFlash drafter; a small vocabulary makes the drafter
+    right often (paths of up to 6 nodes at vocab 8), a larger one rarely."""
+    target = random_llama(tiny_config(vocab_size=vocab), seed=3).to(device, dtype)
+    return target, random_dflash(target).to(device, dtype)
+
+
+def prompts(vocab: int) -> list[list[int]]:
+    return [[t % vocab for t in p] for p in PROMPTS]
+
+
+def engine(target, draft, steps: int, eos=(), slots=8, max_context=256) -> StaticEngine:
+    eng = StaticEngine(
+        target,
+        DFlashDrafter(draft, target),
+        6,
+        eos,
+        slots=slots,
+        max_context=max_context,
+        graphs=target.device.type == "cuda",
+        device_tree=True,
+        scheduler_steps=steps,
+    )
+    eng.rounds_on_device = 0  # draft forwards the device packed (rounds past a call's first)
+    again = eng.sdraft.again
+
+    def counted():
+        eng.rounds_on_device += 1
+        return again()
+
+    eng.sdraft.again = counted
+    return eng
+
+
+def random_trees(rng, b: int, w: int, vocab: int):
+    toks = np.zeros((b, w), np.int64)
+    par = np.full((b, w), -2, np.int64)
+    mask = np.zeros((b, w, w), np.int64)
+    for i in range(b):
+        depth, k = int(rng.integers(1, 7)), int(rng.integers(1, 4))
+        lp = np.sort(rng.normal(size=(depth, k)), axis=1)[:, ::-1].tolist()
+        # sometimes a token twice among a depth's candidates: the first child counts
+        ids = [rng.choice(vocab, size=k, replace=bool(rng.random() < 0.3)).tolist() for _ in lp]
+        tree = build_tree_top(int(rng.integers(vocab)), lp, ids, int(rng.integers(0, w)))
+        toks[i, : tree.size], par[i, : tree.size] = tree.tokens, tree.parents
+        mask[i] = ancestor_mask(tree, w)
+    return toks, par, mask
+
+
+def test_accept_on_the_device_is_the_host_walk():
+    rng = np.random.default_rng(0)
+    longest = 0
+    for _ in range(300):
+        b, w, vocab = int(rng.integers(1, 6)), int(rng.choice([8, 16])), 4
+        toks, par, mask = random_trees(rng, b, w, vocab)
+        targets = rng.integers(0, vocab, size=(b, w))
+        paths, lengths, bonus, _ = accept_batch(toks, par, targets)
+        keep, got, bon = accept_device(*(torch.from_numpy(x) for x in (toks, par, mask, targets)))
+        assert got.tolist() == lengths.tolist() and bon.tolist() == bonus.tolist()
+        for i, n in enumerate(lengths.tolist()):
+            assert keep[i, 1 : n + 1].tolist() == paths[i, :n].tolist()
+            assert keep[i, 0] == 0 and keep[i, n + 1 :].tolist() == list(range(n + 1, w))
+        longest = max(longest, int(lengths.max()))
+    assert longest >= 4  # deep paths were walked, not only roots
+
+
+def check_greedy(device: str, dtype):
+    for vocab, shapes in [(8, [(16, 4, 2048), (8, 1, 2048), (3, 2, 4)]), (512, [(16, 4, 4)])]:
+        target, draft = models(vocab, device, dtype)
+        ps = prompts(vocab)
+        for budget, topk, window in shapes:
+            params = LiveParams(budget=budget, topk=topk, window=window)
+            ref = ReferenceEngine(target, ReferenceDFlash(draft, target), 6, ())
+            sp = [SamplingParams(max_tokens=n) for n in LENGTHS]
+            alone = [ref.generate(p, s, params) for p, s in zip(ps, sp, strict=True)]
+            for steps in (2, 3, 8):
+                label = f"vocab={vocab} budget={budget} topk={topk} steps={steps}"
+                eng = engine(target, draft, steps)
+                mine = [eng.generate(p, s, params) for p, s in zip(ps, sp, strict=True)]
+                assert [s.output for s in mine] == [s.output for s in alone], label
+                assert [s.stats.accept_lengths for s in mine] == [
+                    s.stats.accept_lengths for s in alone
+                ], label
+                assert eng.rounds_on_device > 0, label
+                together = run_lockstep(eng, ps, sp, params, join_late={2, 4})
+                assert together == [s.output for s in alone], label
+                assert eng.free_slots == 8
+        if vocab == 8:  # paths of several nodes were accepted and moved
+            assert max(max(s.stats.accept_lengths) for s in alone) >= 4
+
+
+def test_greedy_rounds_equal_the_reference_cpu():
+    check_greedy("cpu", torch.float32)
+
+
+@cuda
+def test_greedy_rounds_equal_the_reference_cuda_graphs_fp32():
+    check_greedy("cuda", torch.float32)
+
+
+def test_rounds_up_to_the_context_end():
+    """A slot of 64 entries: the rounds that fit run on the device, the last ones one at a
+    time; the answer is the reference's up to the context's end."""
+    target, draft = models(8)
+    params = LiveParams(budget=16, topk=4)
+    ref = ReferenceEngine(target, ReferenceDFlash(draft, target), 6, ())
+    eng = engine(target, draft, 8, max_context=64)
+    for prompt in prompts(8)[:3]:
+        sp = SamplingParams(max_tokens=64 - len(prompt))
+        want = ref.generate(prompt, sp, params)
+        got = eng.generate(prompt, sp, params)
+        assert got.output == want.output and got.stats.accept_lengths == want.stats.accept_lengths
+    assert eng.rounds_on_device > 0
+
+
+def test_a_stop_inside_the_rounds_ends_the_answer_there():
+    target, draft = models(8)
+    params = LiveParams(budget=16, topk=4)
+    base = ReferenceEngine(target, ReferenceDFlash(draft, target), 6, ()).generate(
+        prompts(8)[0], SamplingParams(max_tokens=40), params
+    )
+    eos = base.output[9]
+    want = ReferenceEngine(target, ReferenceDFlash(draft, target), 6, (eos,)).generate(
+        prompts(8)[0], SamplingParams(max_tokens=40), params
+    )
+    eng = engine(target, draft, 8, eos=(eos,))
+    seq = eng.generate(prompts(8)[0], SamplingParams(max_tokens=40), params)
+    assert seq.output == want.output and seq.finish_reason == "stop"
+    assert seq.stats.accept_lengths == want.stats.accept_lengths
+    # the slot's next request decodes as if the rounds had stopped at the EOS
+    again = eng.generate(prompts(8)[1], SamplingParams(max_tokens=20), params)
+    plain = engine(target, draft, 1, eos=(eos,)).generate(
+        prompts(8)[1], SamplingParams(max_tokens=20), params
+    )
+    assert again.output == plain.output
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=cuda)])
+def test_seeded_samples_draw_as_one_round_does(device):
+    """Sampled requests (temperature, top-k, top-p, a logit bias, seeds) beside greedy ones,
+    one with a bias: every token as in one-round rounds."""
+    target, draft = models(8, device)
+    bias = ((5, 3.0), (2, -100.0))
+    sampling = [
+        SamplingParams(max_tokens=24, temperature=1.0, seed=1),
+        SamplingParams(max_tokens=19),
+        SamplingParams(max_tokens=21, temperature=0.7, top_k=5, top_p=0.9, seed=2),
+        SamplingParams(max_tokens=23, temperature=1.3, seed=3, logit_bias=bias),
+        SamplingParams(max_tokens=20, logit_bias=bias),
+    ]
+    params = LiveParams(budget=16, topk=4)
+    outs = []
+    for steps in (1, 4):
+        eng = engine(target, draft, steps)
+        outs.append(run_lockstep(eng, prompts(8), sampling, params, join_late={2}))
+    assert outs[0] == outs[1]
+    assert eng.rounds_on_device > 0
+    assert 2 not in outs[1][3] and 2 not in outs[1][4]  # the bias holds in every round
+
+
+def test_sampling_follows_the_target_distribution():
+    """T=1 in rounds of two (two tokens an answer): pair frequencies match exact
+    enumeration."""
+    check_batched_sampling(
+        lambda target, _: engine(target, random_dflash(target), 2, max_context=64),
+        n=800,
+        tv=0.09,
+    )
+
+
+def test_logprobs_and_budget_zero_take_one_round():
+    """Requests with log-probs, and budget-0 rounds between drafts (adaptive speculation),
+    run one round a call; the answers stay the reference's."""
+    target, draft = models(8)
+    sampling = [SamplingParams(max_tokens=30, logprobs=2), SamplingParams(max_tokens=30)]
+    eng = engine(target, draft, 4)
+    seq = eng.generate(prompts(8)[0], sampling[0], LiveParams(budget=16, topk=4))
+    assert eng.rounds_on_device == 0 and len(seq.logprobs) == len(seq.output)
+    ref = ReferenceEngine(target, ReferenceDFlash(draft, target), 6, ())
+    outs = []
+    for e in (ref, eng):
+        s = e.new_sequence(prompts(8)[1], sampling[1])
+        e.prefill(s)
+        for budget in [8, 0, 0, 3, 0, 16, 1, 0, 7] * 4:
+            if not s.finished:
+                e.step_batch([s], LiveParams(budget=budget, topk=2))
+        outs.append(s)
+    # a call of budget > 0 runs several rounds there, one here: other trees, the same answer
+    assert outs[1].output == outs[0].output
+    assert eng.rounds_on_device > 0
+
+
+def test_non_finite_logits_end_the_request_with_nothing_committed():
+    target, draft = models(8)
+    with torch.no_grad():
+        target.lm_head.weight[3] = float("nan")
+    eng = engine(target, draft, 4)
+    seq = eng.new_sequence(prompts(8)[0], SamplingParams(max_tokens=20))
+    eng.prefill(seq)
+    length = seq.cache.length
+    (out,) = eng.step_batch([seq], LiveParams(budget=16, topk=4))
+    assert isinstance(out, EngineError) and "non-finite" in str(out)
+    assert seq.output == [] and seq.cache.length == length and seq.finish_reason == "error"
