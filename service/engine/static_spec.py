@@ -20,7 +20,7 @@ accept rule and draws as one-round rounds: lossless alike.
 
 What N rounds cost instead (as static_steps'): tokens arrive N rounds at a time; a request
 that ends inside them pays the rest (their tokens dropped, their entries past its end never
-read); the runner takes one round while prompts wait or a request awaits its first token;
+read; the rounds are sized to the longest answer's token limit at its recent accept length); the runner takes one round while prompts wait or a request awaits its first token;
 requests that want log-probs, budget-0 rounds and trees built on the host take one round;
 the live parameters are read once for the N rounds. A round with non-finite logits (or no
 drawable distribution) before a request's stop ends it with nothing of the N committed."""
@@ -62,8 +62,7 @@ class SpecSteps:
         starts = np.array([seq.cache.length for seq in seqs], dtype=np.int64)
         # every entry the rounds write lies within the slot (a finishing request's, the guard's)
         room = (ml - max(w, adv) - int(starts.max())) // adv + 1
-        left = max(seq.sampling.max_tokens - len(seq.output) for seq in seqs)
-        k = min(steps, left, room)
+        k = min(steps, room, max(rounds_left(seq) for seq in seqs))
         if k < 2:
             return None
         reach = (k - 1) * adv
@@ -187,6 +186,16 @@ class SpecSteps:
         if self.target.graphs.enabled and self.sdraft.graphs.enabled:
             return self.spec_graphs.run(key, fn)
         return fn()
+
+
+def rounds_left(seq: Sequence) -> int:
+    """The rounds a sequence's answer needs at most by its token limit, at the accept length
+    its recent rounds had (a guess that only sizes the rounds: too few costs one more host
+    round trip, too many the rounds past its end)."""
+    left = seq.sampling.max_tokens - len(seq.output)
+    recent = seq.stats.accept_lengths[-16:]
+    tau = sum(recent) / len(recent) if recent else 1.0
+    return max(1, int(np.ceil(left / tau)))
 
 
 def fill_verify(inp: torch.Tensor, trees: DeviceTrees, state: torch.Tensor, ml: int) -> None:
