@@ -27,7 +27,11 @@ from ddserve.engine import layer_launch as ll
 ATTENTION_KNOBS = dict.fromkeys(
     ("SPLIT_TREE_MAX_ROWS", "WIDE_TREE_FILL", "PREFETCH_KEYS"), "attention_triton"
 )
-ENGINE_KNOBS = {"DRAFT_FUSED_LAYERS": "static_engine", "COMPILE_GLUE": "static_models"}
+ENGINE_KNOBS = {
+    "DRAFT_FUSED_LAYERS": "static_engine",
+    "COMPILE_GLUE": "static_models",
+    "SPEC_GLUE_COMPILED": "static_spec",
+}
 
 
 def _set_knobs(knobs: dict, known: dict[str, str], what: str) -> None:

@@ -10,8 +10,9 @@
 #                   tokens, bf16): AR 1 / 4 steps, DDTree b15/k4 1 / 4 / 8 rounds a trip;
 #                   then the served path: `ddserve engine` + `ddserve bench` at C=1 and 4,
 #                   b15/k4 with --num-scheduler-steps 1 and 4, --drafter none with 1 and 4
-#   4  (nothing)              the bf16 configs once more (alternated with call 3's); fp32: the
-#                   same answers as AR (lossless column)
+#   4  (nothing)              the bf16 configs once more (alternated with call 3's); b15/k4
+#                   at 4 and 8 rounds with the rounds' glue compiled (SPEC_GLUE_COMPILED);
+#                   fp32: the same answers as AR (lossless column)
 mkdir -p /root/parts
 cp .carry/r*/* /root/parts/ 2>/dev/null  # the GGUF in three parts, .carry/r1..r3
 . bench/device_env.sh /root/parts
@@ -47,6 +48,12 @@ case ${CALL:?} in
     ;;
 4)
     c1 c1-r2
+    echo '{"engine": {"SPEC_GLUE_COMPILED": true}}' >/tmp/specc.json  # the glue compiled
+    timeout 200 python3 -m ddserve.bench.tuned /tmp/specc.json ddserve.bench.engine_cpu \
+        --device cuda --prompt-set heldout:16 --max-tokens 128 \
+        --configs dflash-b15k4@steps4,dflash-b15k4@steps8 --sampled-configs "" --no-server \
+        --name c1-compiled --out $OUT 2>&1 | quiet | tail -4
+    echo "c1-compiled: ${SECONDS}s"
     timeout 200 python3 -m ddserve.bench.engine_cpu --device cuda --dtype float32 \
         --prompt-set heldout:16 --max-tokens 128 --configs ar,ar@steps4,dflash-b15k4@steps4 \
         --sampled-configs "" --no-server --name fp32 --out $OUT 2>&1 | quiet | tail -4

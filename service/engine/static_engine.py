@@ -77,7 +77,7 @@ from ddserve.engine.static_prefill import (
     Prefill,
     fresh_chunks,
 )
-from ddserve.engine.static_spec import SpecSteps
+from ddserve.engine.static_spec import SpecSteps, spec_glue
 from ddserve.engine.static_steps import Steps
 from ddserve.engine.tree import DeviceTrees, ancestor_mask
 from ddserve.errors import EngineError
@@ -180,6 +180,7 @@ class StaticEngine(Prefill, Drafting, Accepting, Steps, SpecSteps):
         self._side, self._launched = None, None  # the overlapped prefill's stream, its run
         # several DDTree rounds a host round trip (static_spec): their glue's graphs, buffers
         self.spec_graphs, self._spec = GraphCache(graphs, "spec"), {}
+        self.spec_glue = spec_glue(compile)
         self.timing = {"rounds": 0, "draft_s": 0.0, "tree_s": 0.0, "verify_s": 0.0, "accept_s": 0.0}
 
     def _tree_kernel_runs(self) -> bool:

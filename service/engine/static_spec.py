@@ -36,8 +36,14 @@ from ddserve.config.engine import LiveParams
 from ddserve.engine.sampling import SampleGroup, sample_rows
 from ddserve.engine.sequence import Outcome, Sequence, truncate_at_stop
 from ddserve.engine.static_accept import NO_DISTRIBUTION, NON_FINITE
+from ddserve.engine.static_models import glue_compiled
 from ddserve.engine.tree import DeviceTrees, accept_device
 from ddserve.errors import EngineError
+
+# whether the rounds' glue (fill_verify, round_glue) goes through torch.compile where the
+# engine compiles (a GPU): its ~50 small kernels a round fused into a few (benchmarks'
+# switch: `bench.tuned` {"engine": {"SPEC_GLUE_COMPILED": true}})
+SPEC_GLUE_COMPILED = False
 
 # a round's record [B, RECORD + 2 (W - 1)]: path length, bonus, finite, drawable, tree size,
 # then the path's tokens and nodes
@@ -93,11 +99,12 @@ class SpecSteps:
         tg[2].fill_(1)
         dkey, inp = sd.last_key, target.buffer(tkey)
         dinp = sd._inputs(dkey)
+        fill_fn, glue_fn = self.spec_glue
         for r in range(k):
             if r:
                 trees = DeviceTrees(*sd.again(), w, bound)
             fill = ("fill", tkey, trees.tokens.data_ptr())
-            self._spec_run(fill, lambda t=trees: fill_verify(inp, t, state, ml))
+            self._spec_run(fill, lambda t=trees: fill_fn(inp, t, state, ml))
             logits, top, taps = target.replay(tkey)
             tg[:2].copy_(top)
             for r0, n, bias in biased:  # its argmax under the bias
@@ -109,7 +116,7 @@ class SpecSteps:
             key = ("glue", tkey, dkey, params.window, trees.tokens.data_ptr(), taps.data_ptr())
             moves, nxt, rec = self._spec_run(
                 key,
-                lambda t=trees, x=taps: round_glue(
+                lambda t=trees, x=taps: glue_fn(
                     t, tg, x, state, sd.feats, dinp, pool.kv_heads, ml, depth, params.window
                 ),
             )
@@ -186,6 +193,12 @@ class SpecSteps:
         if self.target.graphs.enabled and self.sdraft.graphs.enabled:
             return self.spec_graphs.run(key, fn)
         return fn()
+
+
+def spec_glue(compiled: bool):
+    """(fill_verify, round_glue), compiled where the engine compiles and SPEC_GLUE_COMPILED."""
+    on = compiled and SPEC_GLUE_COMPILED
+    return glue_compiled(fill_verify, on), glue_compiled(round_glue, on)
 
 
 def rounds_left(seq: Sequence) -> int:
