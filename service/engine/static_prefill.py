@@ -401,7 +401,9 @@ class Prefill:
                         np.zeros(b, np.int64),
                         np.full(b, ml, np.int64),
                     )
-                    self.sdraft.forward(packed, (b, depth, ctx, *rest))
+                    drafted = self.sdraft.forward(packed, (b, depth, ctx, *rest))
+                    if self.device_tree and self.scheduler_steps > 1:  # rounds a trip
+                        self.spec_warm_up(drafted, (b, depth, ctx, *rest), ctxs, params.window)
         torch.cuda.synchronize()
         return time.perf_counter() - t0
 

@@ -97,32 +97,20 @@ class SpecSteps:
         ]
         inputs = self.sampler.staged(sampled, state.device) if sampled else None
         tg[2].fill_(1)
-        dkey, inp = sd.last_key, target.buffer(tkey)
-        dinp = sd._inputs(dkey)
-        fill_fn, glue_fn = self.spec_glue
-        for r in range(k):
-            if r:
-                trees = DeviceTrees(*sd.again(), w, bound)
-            fill = ("fill", tkey, trees.tokens.data_ptr())
-            self._spec_run(fill, lambda t=trees: fill_fn(inp, t, state, ml))
-            logits, top, taps = target.replay(tkey)
-            tg[:2].copy_(top)
-            for r0, n, bias in biased:  # its argmax under the bias
+
+        def choose(logits):  # the biased argmax and the samples (inputs staged once)
+            for r0, n, bias in biased:
                 tg[0, r0 : r0 + n] = (logits[r0 : r0 + n] + bias).argmax(-1)
-            if sampled:  # their draws (inputs staged once: no host wait a round)
+            if sampled:
                 rows, drawn, ok = sample_rows(logits, sampled, inputs)
                 tg[0, rows] = drawn
                 tg[2, rows] = ok.long()
-            key = ("glue", tkey, dkey, params.window, trees.tokens.data_ptr(), taps.data_ptr())
-            moves, nxt, rec = self._spec_run(
-                key,
-                lambda t=trees, x=taps: glue_fn(
-                    t, tg, x, state, sd.feats, dinp, pool.kv_heads, ml, depth, params.window
-                ),
-            )
-            pool.move_entries(moves[0], moves[1])
-            state.copy_(nxt)
-            out[r].copy_(rec)
+
+        dkey = sd.last_key
+        for r in range(k):
+            if r:
+                trees = DeviceTrees(*sd.again(), w, bound)
+            out[r].copy_(self._spec_round(trees, tkey, dkey, params.window, choose))
         record = out[:k].cpu().numpy()  # the rounds' one sync
         t2 = time.perf_counter()
         result = [
@@ -140,6 +128,47 @@ class SpecSteps:
                 seq.stats.draft_s += (t1 - t0) / len(seqs)
                 seq.stats.verify_s += t3 - t1
         return result
+
+    def _spec_round(self, trees: DeviceTrees, tkey: tuple, dkey: tuple, window: int, choose):
+        """One round on the device from `trees` (a draft of shape `dkey`): the verify's inputs,
+        the verify of shape `tkey`, the target's choices (`choose(logits)` adds the biased and
+        sampled ones), the glue, the KV moves. Returns the round's record (on the device)."""
+        pool, target, sd = self.pool, self.target, self.sdraft
+        b, w = trees.tokens.shape
+        depth, ml = dkey[1], pool.max_len
+        state, tg, _ = self._spec_buffers(b, w)
+        inp, dinp = target.buffer(tkey), sd._inputs(dkey)
+        fill_fn, glue_fn = self.spec_glue
+        ptr = trees.tokens.data_ptr()
+        self._spec_run(("fill", tkey, ptr), lambda: fill_fn(inp, trees, state, ml))
+        logits, top, taps = target.replay(tkey)
+        tg[:2].copy_(top)
+        choose(logits)
+        moves, nxt, record = self._spec_run(
+            ("glue", tkey, dkey, window, ptr, taps.data_ptr()),
+            lambda: glue_fn(
+                trees, tg, taps, state, sd.feats, dinp, pool.kv_heads, ml, depth, window
+            ),
+        )
+        pool.move_entries(moves[0], moves[1])
+        state.copy_(nxt)
+        return record
+
+    @torch.inference_mode()
+    def spec_warm_up(self, drafted: tuple, dkey: tuple, contexts: list[int], window: int) -> None:
+        """The glue graphs of the rounds after a draft of shape `dkey` (its outputs
+        `drafted`), for verifies of every context class in `contexts` (the engine's
+        warm_up): one round in which no row holds a request (guard entries only)."""
+        b, w, ml = dkey[0], dkey[-1], self.pool.max_len
+        state, tg, _ = self._spec_buffers(b, w)
+        host = np.zeros((3, b), dtype=np.int64)
+        host[0] = ml - w
+        self.target.staging.copy(state, host.ravel())
+        tg[2].fill_(1)
+        trees = DeviceTrees(*drafted, w, w)
+        for ctx in contexts:
+            if ctx >= w:
+                self._spec_round(trees, (True, b, w, ctx), dkey, window, lambda _: None)
 
     def _spec_commit(self, seq: Sequence, rows: np.ndarray, n0: int, w: int) -> Outcome:
         """One sequence's tokens of the rounds' records `rows` [k, RECORD + 2 (W - 1)], up to
