@@ -436,7 +436,7 @@ class Prefill:
                     times = []
                     for i in range(rows):
                         t0 = time.perf_counter()
-                        for new in self.step_batch(seqs, p):
+                        for new in self.step_batch(seqs, p, steps=1):  # a round each
                             if isinstance(new, Exception):
                                 raise new
                         if i:

@@ -276,3 +276,12 @@ def test_the_warm_up_round_touches_no_request():
             eng.spec_warm_up(eng.sdraft.forward(packed, key), key, [128, 256], params.window)
     assert seq.output == want.output and seq.stats.accept_lengths == want.stats.accept_lengths
     assert eng.rounds_on_device > 0
+
+
+def test_round_times_time_one_round_a_call():
+    """Adaptive speculation's start-up costs (round_times) are per round, whatever rounds a
+    call of the engine would run."""
+    target, draft = models(8)
+    eng = engine(target, draft, 8)
+    times = eng.round_times(LiveParams(budget=16, topk=4), [0, 16], rounds=2)
+    assert times and eng.rounds_on_device == 0
