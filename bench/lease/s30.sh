@@ -4,47 +4,53 @@
 # `CALL=N bash bench/lease/s30.sh`:
 #   1  carry .whl .carry/r1   GPU tests: rounds on the device (greedy fp32 under graphs == the
 #                   reference, seeded samples == one-round rounds), several plain steps a
-#                   round (the same), the engine's GPU tree build
+#                   round (the same)
 #   2  carry .carry/r2        the GGUF's second part
 #   3  carry .carry/r3        the real weights at C=1 in-process (16 held-out prompts, 128
 #                   tokens, bf16): AR 1 / 4 steps, DDTree b15/k4 1 / 4 / 8 rounds a trip;
-#                   then the served path: `ddserve engine` + `ddserve bench` at C=1 and 4,
-#                   b15/k4 with --num-scheduler-steps 1 and 4, --drafter none with 1 and 4
-#   4  (nothing)              the bf16 configs once more (alternated with call 3's); b15/k4
-#                   at 4 and 8 rounds with the rounds' glue compiled (SPEC_GLUE_COMPILED);
-#                   fp32: the same answers as AR (lossless column)
+#                   fp32: AR and b15/k4 at 4 rounds, the same answers (lossless column);
+#                   the served path: `ddserve engine` + `ddserve bench` at C=1 and 4, b15/k4
+#                   with --num-scheduler-steps 1 and 4
+#   4  (nothing)              if device time is left: the bf16 configs once more (alternated
+#                   with call 3's), b15/k4 at 4 and 8 rounds with the rounds' glue compiled
+#                   (SPEC_GLUE_COMPILED), the served path without a drafter at 1 and 4 steps
 mkdir -p /root/parts
 cp .carry/r*/* /root/parts/ 2>/dev/null  # the GGUF in three parts, .carry/r1..r3
 . bench/device_env.sh /root/parts
 quiet() { grep -v -e transformers -e Convert -e Loading -e '^  ' -e Warning -e warn; }
-C1=ar,ar@steps4,dflash-b15k4,dflash-b15k4@steps4,dflash-b15k4@steps8
+C1=ar,dflash-b15k4,ar@steps4,dflash-b15k4@steps4,dflash-b15k4@steps8  # new paths last
 c1() {  # NAME: the C=1 configs in-process
-    timeout 250 python3 -m ddserve.bench.engine_cpu --device cuda --prompt-set heldout:16 \
+    timeout 220 python3 -m ddserve.bench.engine_cpu --device cuda --prompt-set heldout:16 \
         --max-tokens 128 --configs $C1 --sampled-configs "" --no-server --name "$1" \
         --out $OUT 2>&1 | quiet | tail -7
     echo "$1: ${SECONDS}s"
 }
+served() {  # DRAFTER FLAGS: `ddserve engine` at 1 and 4 steps a trip, `ddserve bench` C=1, 4
+    for s in 1 4; do
+        name=served-$(echo $1 | cut -d' ' -f1)-s$s
+        timeout 100 bash bench/served.sh /root/$name \
+            "--device cuda --drafter $1 --max-batch 4 --num-scheduler-steps $s" \
+            "--concurrency 1,4 --requests 24 --max-tokens 128 --prompts chat" 2>&1 |
+            grep -E "^ +[14] |ready|error|Error" | cut -c1-150 | sed "s/^/$name /"
+        cp /root/$name/bench.json $OUT/$name.json 2>/dev/null
+        echo "$name: ${SECONDS}s"
+    done
+}
 case ${CALL:?} in
 1)
-    timeout 400 python3 -m pytest -q -p no:cacheprovider tests/engine/test_spec_steps.py \
-        tests/engine/test_scheduler_steps.py tests/engine/test_tree_triton.py -k "cuda or engine" \
+    timeout 300 python3 -m pytest -q -p no:cacheprovider tests/engine/test_spec_steps.py \
+        tests/engine/test_scheduler_steps.py -k cuda \
         2>&1 | tail -4 | tee $OUT/gpu_tests.txt
     echo "tests: ${SECONDS}s"
     ;;
 2) ls -la /root/parts | tail -3 ;;
 3)
     c1 c1-r1
-    for d in "dflash --budget 15 --topk 4" "none"; do
-        for s in 1 4; do
-            name=served-$(echo $d | cut -d' ' -f1)-s$s
-            timeout 120 bash bench/served.sh /root/$name \
-                "--device cuda --drafter $d --max-batch 4 --num-scheduler-steps $s" \
-                "--concurrency 1,4 --requests 24 --max-tokens 128 --prompts chat" 2>&1 |
-                grep -E "^ +[14] |ready|error|Error" | cut -c1-150 | sed "s/^/$name /"
-            cp /root/$name/bench.json $OUT/$name.json 2>/dev/null
-            echo "$name: ${SECONDS}s"
-        done
-    done
+    timeout 120 python3 -m ddserve.bench.engine_cpu --device cuda --dtype float32 \
+        --prompt-set heldout:16 --max-tokens 128 --configs ar,dflash-b15k4@steps4 \
+        --sampled-configs "" --no-server --name fp32 --out $OUT 2>&1 | quiet | tail -3
+    echo "fp32: ${SECONDS}s"
+    served "dflash --budget 15 --topk 4"
     ;;
 4)
     c1 c1-r2
@@ -54,10 +60,7 @@ case ${CALL:?} in
         --configs dflash-b15k4@steps4,dflash-b15k4@steps8 --sampled-configs "" --no-server \
         --name c1-compiled --out $OUT 2>&1 | quiet | tail -4
     echo "c1-compiled: ${SECONDS}s"
-    timeout 200 python3 -m ddserve.bench.engine_cpu --device cuda --dtype float32 \
-        --prompt-set heldout:16 --max-tokens 128 --configs ar,ar@steps4,dflash-b15k4@steps4 \
-        --sampled-configs "" --no-server --name fp32 --out $OUT 2>&1 | quiet | tail -4
-    echo "fp32: ${SECONDS}s"
+    served none
     ;;
 esac
 rm -f $OUT/*.png 2>/dev/null || true
