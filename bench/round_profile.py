@@ -1,14 +1,16 @@
 """Where a round's time goes at a given batch: the static engine's `step_batch` alone (no
 runner, no load generator), N requests decoding in lockstep.
 
-    python -m ddserve.bench.round_profile [--device cuda] [--configs ar,dflash-b0,dflash-b7k4]
+    python -m ddserve.bench.round_profile [--device cuda] [--configs ar,dflash-b0,dflash-b7k4@steps4]
         [--batches 16,64] [--rounds 50] [--turnover 0] [--prompt-set heldout:16] [--name round_profile]
 
 Per config and batch: the wall time of a round and the engine's own split of it (draft,
 tree on the host, verify = its launch + the one sync, accept = packing + the accept walk +
 commit), then the same rounds under cProfile: the functions with the most time of their
 own (`{method 'cpu' ...}` is the host waiting for the GPU; what the host does meanwhile is
-the rest). As served: CUDA graphs, the fused layers, GPU trees on a GPU. Writes NAME.json.
+the rest). As served: CUDA graphs, the fused layers, GPU trees on a GPU. A config may end in
+`@stepsN` (--num-scheduler-steps N: several rounds a call); times are per engine round.
+Writes NAME.json.
 
 With `--kernels N` (a GPU), N more rounds under torch.profiler: the GPU's own time per round
 (kernels and copies, inside CUDA graphs too) by the phase that launched it (`draft`: the
@@ -164,11 +166,13 @@ def traced(eng: StaticEngine, run, rounds: int) -> dict:
         setattr(obj, attr, wrapper)
 
     wrapped = [(eng, "prefill_batch", "prefill"), (eng.target, "forward", "verify")]
+    wrapped.append((eng.target, "replay", "verify"))  # rounds after a trip's first (static_spec)
     if eng.sdraft is not None:
-        wrapped += [(eng.sdraft, "forward", "draft"), (eng.sdraft, "write_only", "draft")]
+        wrapped += [(eng.sdraft, a, "draft") for a in ("forward", "write_only", "again")]
     for obj, attr, phase in wrapped:
         ranged(obj, attr, phase)
     acts = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
+    n0 = eng.timing["rounds"]
     try:
         with torch_profile(activities=acts) as prof:
             t0 = time.perf_counter()
@@ -182,6 +186,7 @@ def traced(eng: StaticEngine, run, rounds: int) -> dict:
         path = Path(tmp) / "trace.json"
         prof.export_chrome_trace(str(path))
         events = json.loads(path.read_text())["traceEvents"]
+    rounds = eng.timing["rounds"] - n0  # the engine's rounds (several a call: @stepsN)
     return kernel_split(events, rounds, 1e3 * wall / rounds)
 
 
@@ -195,7 +200,9 @@ def profile(
     kernels: int = 0,
 ) -> dict:
     m = lm.model
-    kind, budget, topk = REGISTRY[name]
+    base, *modes = name.split("@")  # @stepsN: --num-scheduler-steps N
+    kind, budget, topk = REGISTRY[base]
+    steps = next((int(x[5:]) for x in modes if x.startswith("steps") and x[5:].isdigit()), 1)
     gpu = m.device.type == "cuda"
     eng = StaticEngine(
         m,
@@ -206,6 +213,7 @@ def profile(
         max_context=4096,
         graphs=gpu,
         compile=gpu,
+        scheduler_steps=steps,
     )
     params = LiveParams(budget=budget, topk=topk)
     eng.warm_up(params)
@@ -237,16 +245,20 @@ def profile(
     run(WARM)
     sync()
     before, prefill[0] = dict(eng.timing), 0.0
+    tokens0 = sum(len(s.output) for s in seqs)
     t0 = time.perf_counter()
     run(rounds)
     sync()
     wall = time.perf_counter() - t0
+    calls, rounds = rounds, eng.timing["rounds"] - before["rounds"]  # several a call: @stepsN
+    produced = sum(len(s.output) for s in seqs) - tokens0
     split = timing_delta(before, eng.timing, rounds)
     split["prefill_ms"] = round(1e3 * prefill[0] / rounds, 4)
     prof = cProfile.Profile()
     prof.enable()
     t1 = time.perf_counter()
-    run(rounds)
+    n1 = eng.timing["rounds"]
+    run(calls)
     sync()
     wall_prof = time.perf_counter() - t1
     prof.disable()
@@ -254,6 +266,8 @@ def profile(
         "config": name,
         "batch": batch,
         "rounds": rounds,
+        "calls": calls,
+        "tokens_per_round": round(produced / rounds, 4),
         "device_tree": eng.device_tree,
         "wall_ms_per_round": round(1e3 * wall / rounds, 4),
         **split,
@@ -261,8 +275,8 @@ def profile(
         # the requests' tokens at the end: two versions of the engine that decode alike
         # (greedy, same rounds) give the same digest
         "outputs_sha256": hashlib.sha256(json.dumps([s.output for s in seqs]).encode()).hexdigest(),
-        "profiled_wall_ms_per_round": round(1e3 * wall_prof / rounds, 4),
-        "top": top_functions(prof, rounds),
+        "profiled_wall_ms_per_round": round(1e3 * wall_prof / (eng.timing["rounds"] - n1), 4),
+        "top": top_functions(prof, eng.timing["rounds"] - n1),
     }
     if kernels and gpu:
         row["kernels"] = k = traced(eng, run, kernels)
@@ -303,7 +317,8 @@ def main() -> None:
     a = ap.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     configs = a.configs.split(",")
-    bad = [c for c in configs if c not in REGISTRY or REGISTRY[c][0] == "dflash-fullvocab"]
+    bases = [c.split("@")[0] for c in configs]
+    bad = [c for c in bases if c not in REGISTRY or REGISTRY[c][0] == "dflash-fullvocab"]
     if bad:
         sys.exit(f"unknown config {bad[0]!r}; known: {', '.join(REGISTRY)}")
     try:

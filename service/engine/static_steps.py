@@ -113,7 +113,7 @@ class Steps:
             st.accept_lengths.extend([1] * len(new))
             result.append(new)
         tm = self.timing
-        tm["rounds"] += 1
+        tm["rounds"] += steps  # forward rounds (a call of several: as many)
         tm["verify_s"] += t2 - t1
         tm["accept_s"] += time.perf_counter() - t2 + t1 - t0
         return result
