@@ -5,7 +5,7 @@
 #   1  carry .whl .carry/r1   GPU tests: rounds on the device (greedy fp32 under graphs == the
 #                   reference, seeded samples == one-round rounds), several plain steps a
 #                   round (the same); a round by phase on random SmolLM2 weights (wall, GPU
-#                   busy, the host's exposed time) at B 1 and 4: AR 1 / 4 steps, b15/k4 1 /
+#                   busy, the host's exposed time) at B 1 (BATCHES): AR 1 / 4 steps, b15/k4 1 /
 #                   4 / 8 rounds a trip
 #   2  carry .carry/r2        the GGUF's second part
 #   3  carry .carry/r3        the real weights at C=1 in-process (16 held-out prompts, 128
@@ -40,13 +40,13 @@ served() {  # DRAFTER FLAGS: `ddserve engine` at 1 and 4 steps a trip, `ddserve 
 }
 case ${CALL:?} in
 1)
-    timeout 300 python3 -m pytest -q -p no:cacheprovider tests/engine/test_spec_steps.py \
+    timeout 150 python3 -m pytest -q -p no:cacheprovider tests/engine/test_spec_steps.py \
         tests/engine/test_scheduler_steps.py -k cuda \
         2>&1 | tail -4 | tee $OUT/gpu_tests.txt
     echo "tests: ${SECONDS}s"
-    timeout 280 python3 -m ddserve.bench.round_profile --model random-smollm2 --device cuda \
+    timeout 200 python3 -m ddserve.bench.round_profile --model random-smollm2 --device cuda \
         --configs ar,dflash-b15k4,ar@steps4,dflash-b15k4@steps4,dflash-b15k4@steps8 \
-        --batches 1,4 --rounds 60 --kernels 20 --name rp-random --out $OUT 2>&1 |
+        --batches ${BATCHES:-1} --rounds 40 --kernels 10 --name rp-random --out $OUT 2>&1 |
         grep -e "^[ad][a-z0-9@-]* " -e "GPU:" -e Error -e error | cut -c1-120
     ;;
 2) ls -la /root/parts | tail -3 ;;
