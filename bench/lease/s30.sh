@@ -40,14 +40,15 @@ served() {  # DRAFTER FLAGS: `ddserve engine` at 1 and 4 steps a trip, `ddserve 
 }
 case ${CALL:?} in
 1)
-    timeout 150 python3 -m pytest -q -p no:cacheprovider tests/engine/test_spec_steps.py \
-        tests/engine/test_scheduler_steps.py -k cuda \
-        2>&1 | tail -4 | tee $OUT/gpu_tests.txt
-    echo "tests: ${SECONDS}s"
-    timeout 200 python3 -m ddserve.bench.round_profile --model random-smollm2 --device cuda \
-        --configs ar,dflash-b15k4,ar@steps4,dflash-b15k4@steps4,dflash-b15k4@steps8 \
+    timeout ${PROFILE_S:-200} python3 -m ddserve.bench.round_profile --model random-smollm2 \
+        --device cuda --configs ${PROFILE:-ar,dflash-b15k4,ar@steps4,dflash-b15k4@steps4,dflash-b15k4@steps8} \
         --batches ${BATCHES:-1} --rounds 40 --kernels 10 --name rp-random --out $OUT 2>&1 |
         grep -e "^[ad][a-z0-9@-]* " -e "GPU:" -e Error -e error | cut -c1-120
+    echo "profile: ${SECONDS}s"
+    timeout ${TESTS_S:-150} python3 -m pytest -q -p no:cacheprovider -x \
+        tests/engine/test_spec_steps.py tests/engine/test_scheduler_steps.py -k cuda \
+        2>&1 | tail -4 | tee $OUT/gpu_tests.txt
+    echo "tests: ${SECONDS}s"
     ;;
 2) ls -la /root/parts | tail -3 ;;
 3)
