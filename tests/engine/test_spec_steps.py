@@ -285,3 +285,55 @@ def test_round_times_time_one_round_a_call():
     eng = engine(target, draft, 8)
     times = eng.round_times(LiveParams(budget=16, topk=4), [0, 16], rounds=2)
     assert times and eng.rounds_on_device == 0
+
+
+def test_runner_rounds_a_trip_serve_concurrent_requests_as_alone(tmp_path, monkeypatch):
+    """Through the runner (num_scheduler_steps=4, a DFlash drafter, trees built by the
+    kernel's host oracle as on a GPU): concurrent requests get their answers alone; calls
+    with prompts joining or a first token to make run one round, the others four."""
+    import asyncio
+
+    from ddserve.config.engine import EngineConfig
+    from ddserve.engine.dflash import save_dflash
+    from ddserve.engine.runner import EngineRunner
+
+    save_dflash(random_dflash(random_llama(tiny_config(), 0)), tmp_path / "dd")
+    cfg = EngineConfig(
+        model="tiny-random",
+        device="cpu",
+        max_batch=4,
+        num_scheduler_steps=4,
+        drafter={"kind": "dflash", "dflash_path": str(tmp_path / "dd")},
+        params={"budget": 8, "topk": 2},
+    )
+    runner = EngineRunner(cfg)
+    runner.start()
+    asked, rounds = [], []
+    try:
+        eng = runner.engine
+        eng.device_tree = True  # the rounds a trip need the trees on the device (the oracle)
+        step_batch, again = eng.step_batch, eng.sdraft.again
+
+        def spy(seqs, params, steps=None):
+            asked.append(steps)
+            return step_batch(seqs, params, steps)
+
+        monkeypatch.setattr(eng, "step_batch", spy)
+        monkeypatch.setattr(eng.sdraft, "again", lambda: (rounds.append(1), again())[1])
+
+        async def one(p, n=24):
+            out = []
+            async for step in runner.generate(p, SamplingParams(max_tokens=n, ignore_eos=True)):
+                out += step.token_ids
+            return out
+
+        async def main():
+            together = await asyncio.gather(*(one([1, 5 + i, 9]) for i in range(6)))
+            alone = [await one([1, 5 + i, 9]) for i in range(6)]
+            return together, alone
+
+        together, alone = asyncio.run(main())
+    finally:
+        runner.shutdown()
+    assert together == alone and all(len(o) == 24 for o in together)
+    assert 1 in asked and 4 in asked and rounds
