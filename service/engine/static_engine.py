@@ -94,7 +94,7 @@ class StaticEngine(Prefill, Drafting, Accepting, Steps, SpecSteps):
     requests at a time, each up to `max_context` tokens; `graphs` applies only on CUDA,
     `compile` wherever asked (the runner asks on CUDA)."""
 
-    on_trees = None  # a test's seam: called with each round's trees (Tree objects) as verified
+    on_trees = None  # a test's seam: each one-round call's trees (Tree objects) as verified
 
     def __init__(
         self,
