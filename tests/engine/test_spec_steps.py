@@ -112,6 +112,10 @@ def check_greedy(device: str, dtype):
             ref = ReferenceEngine(target, ReferenceDFlash(draft, target), 6, ())
             sp = [SamplingParams(max_tokens=n) for n in LENGTHS]
             alone = [ref.generate(p, s, params) for p, s in zip(ps, sp, strict=True)]
+            one = engine(target, draft, 1)  # one round a call: the nodes its trees drafted
+            drafted = [
+                one.generate(p, s, params).stats.draft_tokens for p, s in zip(ps, sp, strict=True)
+            ]
             for steps in (2, 3, 8):
                 label = f"vocab={vocab} budget={budget} topk={topk} steps={steps}"
                 eng = engine(target, draft, steps)
@@ -120,6 +124,7 @@ def check_greedy(device: str, dtype):
                 assert [s.stats.accept_lengths for s in mine] == [
                     s.stats.accept_lengths for s in alone
                 ], label
+                assert [s.stats.draft_tokens for s in mine] == drafted, label
                 assert eng.rounds_on_device > 0, label
                 together = run_lockstep(eng, ps, sp, params, join_late={2, 4})
                 assert together == [s.output for s in alone], label
