@@ -146,6 +146,19 @@ class StaticDFlash:
         vals, idx = torch.topk(logp, min(topk, logp.shape[-1]), dim=-1)
         return vals, (idx if self.vocab is None else self.vocab[idx])
 
+    def guard_inputs(self, b: int, depth: int) -> np.ndarray:
+        """A draft's packed inputs for `b` rows that hold no request: every write to the
+        guard entries (the warm-up's captures)."""
+        ml, wn, q = self.pool.max_len, self.new_rows, depth + 1
+        return pack_draft(
+            np.tile(np.arange(ml - wn, ml), (b, 1)),
+            np.zeros(b, np.int64),
+            np.tile(np.arange(ml - q, ml), (b, 1)),
+            np.zeros((b, q), np.int64),
+            np.zeros(b, np.int64),
+            np.full(b, ml, np.int64),
+        )
+
     @torch.inference_mode()
     def forward(self, packed: np.ndarray, key: tuple):
         inp = self._inputs(key)

@@ -26,7 +26,6 @@ from ddserve.engine.drafters import NoDrafter
 from ddserve.engine.sampling import SamplingParams
 from ddserve.engine.sequence import Sequence
 from ddserve.engine.static import next_bucket
-from ddserve.engine.static_dflash import pack_draft
 from ddserve.engine.static_models import FRESH_CTX, pack_target
 
 log = logging.getLogger(__name__)
@@ -390,17 +389,9 @@ class Prefill:
             elif depth > 0:
                 keys.add((depth, next_bucket(params.topk, 1, MAX_TOPK)))
         for depth, *rest in sorted(keys):
-            q, wn = depth + 1, self.sdraft.new_rows
             for b in bucket_sizes(self.pool.slots):
                 for ctx in ctxs:
-                    packed = pack_draft(
-                        np.tile(np.arange(ml - wn, ml), (b, 1)),
-                        np.zeros(b, np.int64),
-                        np.tile(np.arange(ml - q, ml), (b, 1)),
-                        np.zeros((b, q), np.int64),
-                        np.zeros(b, np.int64),
-                        np.full(b, ml, np.int64),
-                    )
+                    packed = self.sdraft.guard_inputs(b, depth)
                     drafted = self.sdraft.forward(packed, (b, depth, ctx, *rest))
                     if self.device_tree and self.scheduler_steps > 1:  # rounds a trip
                         self.spec_warm_up(drafted, (b, depth, ctx, *rest), ctxs, params.window)

@@ -79,12 +79,7 @@ class SpecSteps:
         t1 = time.perf_counter()
         b = trees.tokens.shape[0]
         slots = np.array([seq.cache.slot for seq in seqs], dtype=np.int64)
-        state, tg, out = self._spec_buffers(b, w)
-        host = np.zeros((3, b), dtype=np.int64)
-        host[0] = ml - w  # rows without a request: entries of the guard, moved onto themselves
-        host[0, slots], host[2, slots] = starts, 1
-        host[1, slots] = [seq.tokens[-1] for seq in seqs]
-        target.staging.copy(state, host.ravel())
+        state, tg, out = self._spec_stage(b, w, slots, starts)
         tkey = (True, b, w, target.ctx_bucket(int(starts.max()) + w + reach))
         biased = [
             (seq.cache.slot * w, bound, seq.bias)
@@ -97,7 +92,6 @@ class SpecSteps:
             if not seq.sampling.greedy
         ]
         inputs = self.sampler.staged(sampled, state.device) if sampled else None
-        tg[2].fill_(1)
 
         def choose(logits):  # the biased argmax and the samples (inputs staged once)
             for r0, n, bias in biased:
@@ -160,12 +154,8 @@ class SpecSteps:
         """The glue graphs of the rounds after a draft of shape `dkey` (its outputs
         `drafted`), for verifies of every context class in `contexts` (the engine's
         warm_up): one round in which no row holds a request (guard entries only)."""
-        b, w, ml = dkey[0], dkey[-1], self.pool.max_len
-        state, tg, _ = self._spec_buffers(b, w)
-        host = np.zeros((3, b), dtype=np.int64)
-        host[0] = ml - w
-        self.target.staging.copy(state, host.ravel())
-        tg[2].fill_(1)
+        b, w = dkey[0], dkey[-1]
+        self._spec_stage(b, w, np.zeros(0, np.int64), np.zeros(0, np.int64))
         trees = DeviceTrees(*drafted, w, w)
         for ctx in contexts:
             if ctx >= w:
@@ -203,15 +193,27 @@ class SpecSteps:
         st.accept_lengths.extend(kept)
         return new
 
+    def _spec_stage(self, b: int, w: int, slots: np.ndarray, starts: np.ndarray):
+        """The rows' state for a call's rounds, copied up without a sync: the requests' in
+        `slots` at committed lengths `starts`; the other rows' entries the guard's, moved
+        onto themselves. The target's choices reset to drawable. Returns `_spec_buffers`."""
+        state, tg, out = self._spec_buffers(b, w)
+        host = np.zeros((2, b), dtype=np.int64)
+        host[0] = self.pool.max_len - w
+        host[0, slots], host[1, slots] = starts, 1
+        self.target.staging.copy(state, host.ravel())
+        tg[2].fill_(1)
+        return state, tg, out
+
     def _spec_buffers(self, b: int, w: int):
-        """Per (B, W): the rows' state [3 B] (committed length, root token, whether a
-        request is in the round), the target's choices [3, B W] (token, finite, drawable) and
-        the rounds' records [64, B, RECORD + 2 (W - 1)]."""
+        """Per (B, W): the rows' state [2 B] (committed length, whether a request is in the
+        round), the target's choices [3, B W] (token, finite, drawable) and the rounds'
+        records [64, B, RECORD + 2 (W - 1)]."""
         key = (b, w)
         if key not in self._spec:
             dev = self.pool.kv.device
             self._spec[key] = (
-                torch.zeros(3 * b, dtype=torch.long, device=dev),
+                torch.zeros(2 * b, dtype=torch.long, device=dev),
                 torch.ones(3, b * w, dtype=torch.long, device=dev),
                 torch.zeros(64, b, RECORD + 2 * (w - 1), dtype=torch.long, device=dev),
             )
@@ -246,7 +248,7 @@ def fill_verify(inp: torch.Tensor, trees: DeviceTrees, state: torch.Tensor, ml: 
     positions and lengths from each row's committed length; rows without a request write the
     guard's entries (as the host packs them)."""
     b, w = trees.tokens.shape
-    start, _, active = state.view(3, b)
+    start, active = state.view(2, b)
     act, j = active != 0, torch.arange(w, device=inp.device)
     wpos = torch.where(act[:, None], start[:, None] + j, ml - w + j)
     lens = torch.where(act, start, torch.zeros_like(start))
@@ -261,11 +263,11 @@ def round_glue(trees, tg, taps, state, feats, dinp, kv_heads: int, ml: int, dept
     from the verify's `taps` into `feats`; the next draft's inputs written into `dinp`
     (static_dflash.pack_draft's layout). Returns the KV moves [2, B kvh W] (entries'
     indices as KVPool.move_entries takes them: to, from; identity past a path and in rows
-    without a request), the rows' next state [3 B] and the round's record. Writes only what
+    without a request), the rows' next state [2 B] and the round's record. Writes only what
     a second run writes alike (a graph capture's warm-up runs)."""
     b, w = trees.tokens.shape
     dev = trees.tokens.device
-    start, _, active = state.view(3, b)
+    start, active = state.view(2, b)
     act = active != 0
     t = tg.view(3, b, w)
     j, rows = torch.arange(w, device=dev), torch.arange(b, device=dev)
@@ -310,4 +312,4 @@ def round_glue(trees, tg, taps, state, feats, dinp, kv_heads: int, ml: int, dept
     ptok = trees.tokens.gather(1, keep)[:, 1:]
     head = torch.stack([lengths, bonus, finite.long(), drawable.long(), nodes.sum(1)], 1)
     record = torch.cat([head, ptok, keep[:, 1:]], 1)
-    return moves, torch.cat([nstart, nroot, active]), record
+    return moves, torch.cat([nstart, active]), record

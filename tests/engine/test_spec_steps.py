@@ -251,7 +251,6 @@ def test_the_warm_up_round_touches_no_request():
     """The glue graphs' warm-up (spec_warm_up: a round with no request in any row) between a
     request's rounds, with its KV and feature rows in place: its answer stays the
     reference's."""
-    from ddserve.engine.static_dflash import pack_draft
 
     target, draft = models(8)
     params = LiveParams(budget=16, topk=4)
@@ -262,23 +261,14 @@ def test_the_warm_up_round_touches_no_request():
     eng = engine(target, draft, 4)
     seq = eng.new_sequence(prompts(8)[0], sp)
     eng.prefill(seq)
-    ml, wn = eng.pool.max_len, eng.sdraft.new_rows
     depth = eng.block_depth(params.budget)
     w = eng.tree_width(params.budget, params.topk)[0]
-    q = depth + 1
     while not seq.finished:
         eng.step_batch([seq], params)
         for b in (1, 2):  # what warm_up runs for each draft shape
-            packed = pack_draft(
-                np.tile(np.arange(ml - wn, ml), (b, 1)),
-                np.zeros(b, np.int64),
-                np.tile(np.arange(ml - q, ml), (b, 1)),
-                np.zeros((b, q), np.int64),
-                np.zeros(b, np.int64),
-                np.full(b, ml, np.int64),
-            )
             key = (b, depth, 256, params.topk, params.budget, w)
-            eng.spec_warm_up(eng.sdraft.forward(packed, key), key, [128, 256], params.window)
+            drafted = eng.sdraft.forward(eng.sdraft.guard_inputs(b, depth), key)
+            eng.spec_warm_up(drafted, key, [128, 256], params.window)
     assert seq.output == want.output and seq.stats.accept_lengths == want.stats.accept_lengths
     assert eng.rounds_on_device > 0
 
