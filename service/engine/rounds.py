@@ -123,8 +123,9 @@ class Rounds:
         self._log_round(chunk, step_s, made, len(ready))
         if self.policy is not None and not overlap:
             done = zip(ready, news, strict=True)
-            paths = [r.seq.last_path for r, n in done if not isinstance(n, Exception)]
-            # a round's time (of several back to back on the device: static_spec, their mean)
+            # every round's paths (several back to back on the device: static_spec), and a
+            # round's time (their mean)
+            paths = [p for r, n in done if not isinstance(n, Exception) for p in r.seq.last_paths]
             self._adapt("record", rows, budget, step_s / self.engine.round_steps, paths)
         # past the shared forward each request's outcome is its own: a failure ends that
         # request only, every other one gets this round's tokens (exactly once)

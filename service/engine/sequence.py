@@ -32,10 +32,11 @@ class Sequence:
     bias: torch.Tensor | None = None  # sampling.logit_bias as a dense [V] vector, or None
     # raw log-probs of `output`, entry for entry, when sampling.logprobs asks for them
     logprobs: Logprobs | None = None
-    # node indices of the last round's accepted path (ascending: parents precede children);
-    # a best-first tree of budget b is the first b nodes of a bigger one, so it says what a
+    # node indices of the accepted path (ascending: parents precede children) of each round
+    # the last engine call took (several where rounds ran back to back: static_spec); a
+    # best-first tree of budget b is the first b nodes of a bigger one, so a path says what a
     # smaller budget would have accepted (adaptive speculation's estimates)
-    last_path: list[int] = field(default_factory=list)
+    last_paths: list[list[int]] = field(default_factory=list)
 
     @property
     def finished(self) -> bool:

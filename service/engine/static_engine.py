@@ -391,7 +391,7 @@ class StaticEngine(Prefill, Drafting, Accepting, Steps, SpecSteps):
                 out.append(d)
                 continue
             path, ptoks, bt = d
-            seq.last_path = path
+            seq.last_paths = [path]
             seq.cache.length += len(path) + 1
             if self.sdraft is not None:
                 seq.pending += len(path) + 1

@@ -179,8 +179,8 @@ class SpecSteps:
         used = int(np.searchsorted(np.cumsum(made), len(new))) + 1  # rounds it keeps tokens of
         kept = made[:used]
         kept[-1] -= sum(made[:used]) - len(new)
-        last = rows[used - 1]
-        seq.last_path = last[RECORD + w - 1 : RECORD + w - 1 + int(last[0])].tolist()
+        nodes = RECORD + w - 1  # where a record's path nodes start
+        seq.last_paths = [row[nodes : nodes + int(row[0])].tolist() for row in rows[:used]]
         seq.cache.length = n0 + sum(made)
         seq.pending = made[-1]  # the last round's root + path: its feature rows, unwritten
         seq.draft_state = seq.cache.length - seq.pending

@@ -102,7 +102,7 @@ class Steps:
                     EngineError(NON_FINITE if host[bad[0], 1, s] == 0 else NO_DISTRIBUTION)
                 )
                 continue
-            seq.last_path = []
+            seq.last_paths = []
             seq.cache.length += len(new)  # the inputs of its kept steps
             seq.tokens.extend(new)
             seq.output.extend(new)

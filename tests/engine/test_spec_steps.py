@@ -68,6 +68,15 @@ def engine(target, draft, steps: int, eos=(), slots=8, max_context=256) -> Stati
         return again()
 
     eng.sdraft.again = counted
+    eng.paths = []  # every round's accepted path, call by call (adaptive speculation's samples)
+    step = eng.step
+
+    def step_paths(seq, params):
+        out = step(seq, params)
+        eng.paths.extend(seq.last_paths)
+        return out
+
+    eng.step = step_paths
     return eng
 
 
@@ -116,6 +125,7 @@ def check_greedy(device: str, dtype):
             drafted = [
                 one.generate(p, s, params).stats.draft_tokens for p, s in zip(ps, sp, strict=True)
             ]
+            assert len(one.paths) == sum(len(s.stats.accept_lengths) for s in alone)
             for steps in (2, 3, 8):
                 label = f"vocab={vocab} budget={budget} topk={topk} steps={steps}"
                 eng = engine(target, draft, steps)
@@ -125,6 +135,7 @@ def check_greedy(device: str, dtype):
                     s.stats.accept_lengths for s in alone
                 ], label
                 assert [s.stats.draft_tokens for s in mine] == drafted, label
+                assert eng.paths == one.paths, label  # each round's path, not a call's last
                 assert eng.rounds_on_device > 0, label
                 together = run_lockstep(eng, ps, sp, params, join_late={2, 4})
                 assert together == [s.output for s in alone], label
