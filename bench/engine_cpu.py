@@ -72,6 +72,11 @@ def make_drafter(kind: str, m, dflash_dir: str | None):
     return DFlashDrafter(load_dflash(path), m, vocab)
 
 
+def steps_of(modes: list[str]) -> int:
+    """N of a config's `@stepsN` mode (--num-scheduler-steps N), else 1."""
+    return next((int(m[5:]) for m in modes if m.startswith("steps") and m[5:].isdigit()), 1)
+
+
 def load_on(model: str, device: str, prompts: str):
     """The model on `device` ("auto": cuda where there is one) in the dtype the engine serves
     it in (bf16 on a GPU, fp32 on CPU) and a prompt set's token ids, for the engine-only
@@ -114,7 +119,7 @@ def engine_runs(
         # would not (fp32: the kernels' exact products against the reference); @stepsN: N
         # decoding steps (or DDTree rounds) a host round trip (--num-scheduler-steps)
         base, *modes = name.split("@")
-        steps = next((int(m[5:]) for m in modes if m.startswith("steps") and m[5:].isdigit()), 1)
+        steps = steps_of(modes)
         kind, budget, topk = REGISTRY[base]
         drafter = make_drafter(kind, m, dflash)
         gpu = m.device.type == "cuda"  # CUDA graphs and torch.compile on a GPU, as served

@@ -10,7 +10,9 @@ engine with --speculative-adaptive (its budget is the ceiling); its row records 
 its rounds used per level and the policy's estimates (tok/s per request per budget and batch
 bucket). `@hosttree` builds DFlash trees on the host (the engine before the GPU tree build:
 top-k copied back, heap in Python) to compare with the default; `@nofused` runs torch's
-decoder layers instead of the fused triton kernels (ddserve.engine.layer_triton). `--dflash-path DIR` drafts
+decoder layers instead of the fused triton kernels (ddserve.engine.layer_triton); `@stepsN`
+runs N decoding steps or DDTree rounds a host round trip (--num-scheduler-steps N; modes
+combine: dflash-b15k4@adaptive@steps4). `--dflash-path DIR` drafts
 with another trained DFlash drafter. On CUDA, DFlash rows also give the GPU time of a
 drafting round's draft + tree (CUDA events around the draft call) and the wall time per round.
 
@@ -35,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from ddserve.bench.engine_cpu import REGISTRY, load_on, machine_name, prompt_set
+from ddserve.bench.engine_cpu import REGISTRY, load_on, machine_name, prompt_set, steps_of
 from ddserve.bench.load import RequestResult, closed_loop
 from ddserve.bench.prompts import chat_ids
 from ddserve.config.engine import EngineConfig
@@ -92,6 +94,7 @@ def run_config(lm, name, a, prompts, levels) -> dict:
     kind, budget, topk = REGISTRY[base]
     cfg = EngineConfig(
         speculative_adaptive="adaptive" in modes,
+        num_scheduler_steps=steps_of(modes),
         model=a.model,
         device=a.device,
         max_batch=max(levels),
@@ -205,7 +208,7 @@ def main() -> None:
         for c in configs
         if (b := c.split("@"))[0] not in REGISTRY
         or REGISTRY[b[0]][0] == "dflash-fullvocab"
-        or not set(b[1:]) <= set(MODES)
+        or not all(m in MODES or (m[:5] == "steps" and m[5:].isdigit()) for m in b[1:])
     ]
     if bad:
         sys.exit(f"unknown config {bad[0]!r}; known: {', '.join(REGISTRY)}")

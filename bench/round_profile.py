@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from ddserve.bench.engine_cpu import REGISTRY, load_on, make_drafter
+from ddserve.bench.engine_cpu import REGISTRY, load_on, make_drafter, steps_of
 from ddserve.config.engine import LiveParams
 from ddserve.engine.sampling import SamplingParams
 from ddserve.engine.static_engine import StaticEngine
@@ -202,7 +202,7 @@ def profile(
     m = lm.model
     base, *modes = name.split("@")  # @stepsN: --num-scheduler-steps N
     kind, budget, topk = REGISTRY[base]
-    steps = next((int(x[5:]) for x in modes if x.startswith("steps") and x[5:].isdigit()), 1)
+    steps = steps_of(modes)
     gpu = m.device.type == "cuda"
     eng = StaticEngine(
         m,

@@ -13,9 +13,12 @@
 #                   fp32: AR and b15/k4 at 4 rounds, the same answers (lossless column);
 #                   the served path: `ddserve engine` + `ddserve bench` at C=1 and 4, b15/k4
 #                   with --num-scheduler-steps 1 and 4
-#   4  (nothing)              if device time is left: the bf16 configs once more (alternated
-#                   with call 3's), b15/k4 at 4 and 8 rounds with the rounds' glue compiled
-#                   (SPEC_GLUE_COMPILED), the served path without a drafter at 1 and 4 steps
+#   4  (nothing)              if device time is left: load levels through the in-process
+#                   runner (C 1/2/16/64, 128 tokens, ignore_eos): AR at 1 and 4 steps, b15/k4
+#                   adaptive at 1 and 4 rounds a trip (issue 14's "never slower than AR")
+#   5  (nothing)              the bf16 C=1 configs once more, b15/k4 at 4 and 8 rounds with the
+#                   rounds' glue compiled (SPEC_GLUE_COMPILED), the served path without a
+#                   drafter at 1 and 4 steps
 mkdir -p /root/parts
 cp .carry/r*/* /root/parts/ 2>/dev/null  # the GGUF in three parts, .carry/r1..r3
 . bench/device_env.sh /root/parts
@@ -60,6 +63,14 @@ case ${CALL:?} in
     served "dflash --budget 15 --topk 4"
     ;;
 4)
+    timeout ${LOAD_S:-400} python3 -m ddserve.bench.engine_load --device cuda \
+        --configs ${LOAD:-ar,ar@steps4,dflash-b15k4@adaptive,dflash-b15k4@adaptive@steps4} \
+        --concurrency ${LEVELS:-1,2,16,64} --requests 32 --waves ${WAVES:-4} --max-tokens 128 \
+        --prompt-set heldout:16 --name load --out $OUT 2>&1 | grep -v -e Warning -e warn |
+        grep -e "^config" -e "^[ad][a-z0-9@-]* *[0-9]" | cut -c1-120
+    echo "load: ${SECONDS}s"
+    ;;
+5)
     c1 c1-r2
     echo '{"engine": {"SPEC_GLUE_COMPILED": true}}' >/tmp/specc.json  # the glue compiled
     timeout 200 python3 -m ddserve.bench.tuned /tmp/specc.json ddserve.bench.engine_cpu \
