@@ -67,11 +67,7 @@ class Drafting:
         if self.sdraft is None or depth <= 0:
             # budget 0: the drafter's context write waits until a sequence's feature rows
             # would not hold another round's root (or the next draft writes them)
-            if self.sdraft is not None and any(s.pending >= self.sdraft.new_rows for s in seqs):
-                b = next_bucket(self.pool.used_rows, 1, self.pool.slots)
-                cwpos, fed = self._feed_context(seqs, b, *self._rows(seqs))
-                self.sdraft.write_only(cwpos)
-                self._fed(fed)
+            self._write_pending(seqs, 1)
             trees = [
                 build_tree(seq.tokens[-1], self.draft(seq, params), params.budget, params.topk)
                 for seq in seqs
@@ -114,6 +110,16 @@ class Drafting:
         self.timing["draft_s"] += t1 - t0
         self.timing["tree_s"] += time.perf_counter() - t1
         return trees
+
+    def _write_pending(self, seqs: list[Sequence], rows: int) -> None:
+        """Budget-0 rounds defer the drafter's context write: write every sequence's
+        pending feature rows where one's would not hold `rows` more."""
+        sd = self.sdraft
+        if sd is not None and any(seq.pending + rows > sd.new_rows for seq in seqs):
+            b = next_bucket(self.pool.used_rows, 1, self.pool.slots)
+            cwpos, fed = self._feed_context(seqs, b, *self._rows(seqs))
+            sd.write_only(cwpos)
+            self._fed(fed)
 
     def _feed_context(self, seqs: list[Sequence], b: int, slots, want):
         """Where each sequence's pending feature rows go in the drafter's pool (context write

@@ -266,7 +266,8 @@ class StaticEngine(Prefill, Drafting, Accepting, Steps, SpecSteps):
         """One round of every sequence: draft and build each tree, verify all trees in one
         target forward, then accept and commit per sequence. `steps` (default: the
         engine's `scheduler_steps`) where no sequence asks for log-probs: without a drafter
-        that many one-token steps back to back on the device (ddserve.engine.static_steps);
+        (or a DFlash drafter at budget 0) that many one-token steps back to back on the
+        device (ddserve.engine.static_steps);
         with DFlash trees built on the GPU that many rounds (ddserve.engine.static_spec).
 
         Atomic per round: if the shared part (drafts, verify) raises, nothing was committed
@@ -275,7 +276,8 @@ class StaticEngine(Prefill, Drafting, Accepting, Steps, SpecSteps):
         Per-request stats: its share of the draft time, and the verify's wall time."""
         steps = self.scheduler_steps if steps is None else steps
         if steps > 1 and all(seq.logprobs is None for seq in seqs):
-            if isinstance(self.drafter, NoDrafter):
+            plain = self.sdraft is not None and self.block_depth(params.budget) <= 0
+            if plain or isinstance(self.drafter, NoDrafter):  # one token a request a step
                 return self._steps_round(seqs, steps)
             if (out := self._spec_rounds(seqs, params, steps)) is not None:
                 return out

@@ -20,11 +20,12 @@ accept rule and draws as one-round rounds: lossless alike.
 
 What N rounds cost instead (as static_steps'): tokens arrive N rounds at a time; a request
 that ends inside them pays the rest (their tokens dropped, their entries past its end never
-read; the rounds are sized to the longest answer's token limit at its recent accept
-length); the runner takes one round while prompts wait or a request awaits its first
-token; requests that want log-probs, budget-0 rounds and trees built on the host take one
-round; the live parameters are read once for the N rounds. A round with non-finite logits (or no
-drawable distribution) before a request's stop ends it with nothing of the N committed."""
+read; the rounds are sized to the longest answer's token limit at its recent accept length);
+the runner takes one round while prompts wait or a request awaits its first token; requests
+that want log-probs and trees built on the host take one round (budget-0 calls take plain
+steps: ddserve.engine.static_steps); the live parameters are read once for the N rounds. A
+round with non-finite logits (or no drawable distribution) before a request's stop ends it
+with nothing of the N committed."""
 
 from __future__ import annotations
 

@@ -19,7 +19,13 @@ rounds while prompts wait and for a request's first token (ddserve.engine.rounds
 that want log-probs take one-step rounds (their log-probs come from each step's logits). A
 step with non-finite logits (or no drawable distribution) ends its request with none of the
 round's tokens, where one-step rounds would have streamed those before it: an error either
-way (a broken model's)."""
+way (a broken model's).
+
+An engine with a DFlash drafter takes these rounds at budget 0 too (adaptive speculation's
+choice at a large batch, or `spec_max_batch`): each step's tapped target outputs go into
+the drafter's buffered feature rows, as one-step budget-0 rounds put them, and the rows are
+written as the drafter's context before a round they would not hold (at most a buffer's
+rows a round) or by the next draft."""
 
 from __future__ import annotations
 
@@ -45,8 +51,11 @@ class Steps:
         fewer where no request has that many tokens left to make."""
         t0 = time.perf_counter()
         left = max(seq.sampling.max_tokens - len(seq.output) for seq in seqs)
+        pool, target, sd = self.pool, self.target, self.sdraft
+        if sd is not None:  # a DFlash drafter at budget 0: a feature row a step, buffered
+            steps = min(steps, sd.new_rows)
+            self._write_pending(seqs, min(steps, left))
         steps = self.round_steps = max(1, min(steps, left))
-        pool, target = self.pool, self.target
         b = next_bucket(pool.used_rows, 1, pool.slots)
         slots = np.array([seq.cache.slot for seq in seqs], dtype=np.int64)
         starts = np.array([seq.cache.length for seq in seqs], dtype=np.int64)
@@ -71,14 +80,22 @@ class Steps:
             for s, seq in zip(slots, seqs, strict=True)
             if not seq.sampling.greedy
         ]
-        out = torch.ones((steps, 3, b), dtype=torch.long, device=pool.kv.device)
+        dev = pool.kv.device
+        out = torch.ones((steps, 3, b), dtype=torch.long, device=dev)
         key, inputs = (True, b, 1, ctx), None
+        if sd is not None:  # each step's input's tapped row into its slot's next feature row
+            at = slots * sd.new_rows + np.array([seq.pending for seq in seqs], dtype=np.int64)
+            feed = torch.from_numpy(np.concatenate([at, slots])).to(dev)
+            feats = sd.feats.flatten(0, 1)
         t1 = time.perf_counter()
         for i in range(steps):
             if i == 0:
-                logits, top, _ = target.forward(packed, b, 1, ctx, True)
+                logits, top, taps = target.forward(packed, b, 1, ctx, True)
             else:
-                logits, top, _ = target.forward_next(key, out[i - 1, 0])
+                logits, top, taps = target.forward_next(key, out[i - 1, 0])
+            if sd is not None:  # copied now: the next step's replay overwrites `taps`
+                n = len(seqs)
+                feats.index_copy_(0, feed[:n] + i, taps.index_select(0, feed[n:]))
             out[i, :2].copy_(top)
             for s, bias in biased_greedy:  # its argmax under the bias
                 out[i, 0, s] = (logits[s] + bias).argmax(-1)
@@ -104,6 +121,8 @@ class Steps:
                 continue
             seq.last_paths = []
             seq.cache.length += len(new)  # the inputs of its kept steps
+            if sd is not None:
+                seq.pending += len(new)  # their feature rows, for the drafter's context
             seq.tokens.extend(new)
             seq.output.extend(new)
             st = seq.stats

@@ -223,9 +223,9 @@ def test_sampling_follows_the_target_distribution():
     )
 
 
-def test_logprobs_and_budget_zero_take_one_round():
-    """Requests with log-probs, and budget-0 rounds between drafts (adaptive speculation),
-    run one round a call; the answers stay the reference's."""
+def test_logprobs_take_one_round_budgets_may_change_between_calls():
+    """Requests with log-probs run one round a call; budgets changing call by call
+    (adaptive speculation, budget-0 calls between drafts) keep the reference's answer."""
     target, draft = models(8)
     sampling = [SamplingParams(max_tokens=30, logprobs=2), SamplingParams(max_tokens=30)]
     eng = engine(target, draft, 4)
@@ -243,6 +243,44 @@ def test_logprobs_and_budget_zero_take_one_round():
     # a call of budget > 0 runs several rounds there, one here: other trees, the same answer
     assert outs[1].output == outs[0].output
     assert eng.rounds_on_device > 0
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=cuda)])
+def test_budget_zero_calls_take_plain_steps_and_feed_the_drafter(device):
+    """Budget-0 calls (adaptive speculation at a large batch, spec_max_batch) run several
+    plain steps with a DFlash drafter too. Each step's tapped row reaches the drafter's
+    context (buffered, written before a call its rows would not hold), so the drafts after
+    them are those after as many one-step budget-0 calls: the same answers, accept lengths
+    and drafted nodes, for three requests in one batch (on a GPU under CUDA graphs)."""
+    target, draft = models(8, device)
+    ps, sp = prompts(8)[:3], [SamplingParams(max_tokens=n) for n in (70, 45, 58)]
+    # (budget, steps) a call; a drafter's buffer holds 7 feature rows (block 6 + 1)
+    schedule = [(0, 4), (16, 1), (0, 7), (0, 3), (16, 1), (0, 6), (0, 2), (16, 1), (0, 5)]
+    schedule += [(16, 1), (0, 3)] * 8 + [(16, 1)] * 40
+    runs = []
+    for multi in (False, True):
+        eng = engine(target, draft, 1)
+        seqs = [eng.new_sequence(p, s) for p, s in zip(ps, sp, strict=True)]
+        for seq in seqs:
+            eng.prefill(seq)
+        most = 1
+        for budget, steps in schedule:
+            params = LiveParams(budget=budget, topk=4)
+            for _ in range(1 if multi else steps):
+                if live := [seq for seq in seqs if not seq.finished]:
+                    out = eng.step_batch(live, params, steps if multi else 1)
+                    assert not any(isinstance(o, Exception) for o in out)
+                    most = max(most, eng.round_steps)
+        assert all(seq.finished for seq in seqs)
+        runs.append(seqs)
+        assert (most > 1) == multi and eng.free_slots == 8 - 3
+    ref = ReferenceEngine(target, ReferenceDFlash(draft, target), 6, ())
+    want = [ref.generate(p, s, LiveParams(budget=0)).output for p, s in zip(ps, sp, strict=True)]
+    one, multi = runs
+    assert [s.output for s in multi] == [s.output for s in one] == want
+    assert [s.stats.accept_lengths for s in multi] == [s.stats.accept_lengths for s in one]
+    assert [s.stats.draft_tokens for s in multi] == [s.stats.draft_tokens for s in one]
+    assert max(max(s.stats.accept_lengths) for s in one) >= 3  # the drafts were right often
 
 
 def test_non_finite_logits_end_the_request_with_nothing_committed():
