@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 from ddserve.bench.engine_cpu import load_on, make_drafter
+from ddserve.bench.round_profile import random_smollm2
 from ddserve.config.engine import LiveParams
 from ddserve.engine.sampling import SamplingParams
 from ddserve.engine.static_engine import StaticEngine
@@ -67,7 +68,11 @@ def main(argv=None) -> int:
     ap.add_argument("--name", default="nonfinite")
     ap.add_argument("--out", default=".")
     a = ap.parse_args(argv)
-    lm, prompts, machine = load_on(a.model, a.device, f"heldout:{a.prompts}")
+    if a.model == "random-smollm2":
+        lm, prompts, machine = random_smollm2(a.device)
+        prompts = prompts[: a.prompts]
+    else:
+        lm, prompts, machine = load_on(a.model, a.device, f"heldout:{a.prompts}")
     m = lm.model
     eng = StaticEngine(
         m,

@@ -289,6 +289,24 @@ def profile(
     return row
 
 
+def random_smollm2(device: str):
+    """SmolLM2's shapes with random weights on `device` (the GPU's split of a round without
+    the GGUF; a drafter's trees find nothing to accept: its kernels' times, not its tau), 16
+    random 120-token prompts. Returns load_on's (loaded model, prompt ids, machine)."""
+    from types import SimpleNamespace
+
+    from ddserve.bench.engine_cpu import machine_name
+    from ddserve.bench.static_step import SMOLLM2
+    from ddserve.engine.weights import random_llama
+
+    device = device if device != "auto" else "cuda"
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    lm = SimpleNamespace(model=random_llama(SMOLLM2).to(device, dtype))
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(100, 40000, (120,), generator=gen).tolist() for _ in range(16)]
+    return lm, prompts, machine_name(device)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="smollm2-135m", help="or random-smollm2 (no GGUF)")
@@ -327,20 +345,8 @@ def main() -> None:
         sys.exit(f"--batches {a.batches!r}: expected integers like 16,64")
     if a.rounds < 1 or min(batches) < 1:
         sys.exit("--rounds and --batches must be at least 1")
-    if a.model == "random-smollm2":  # SmolLM2's shapes, random weights: the GPU's split
-        # (the drafter's trees find nothing to accept: its kernels' times, not its tau)
-        from types import SimpleNamespace
-
-        from ddserve.bench.engine_cpu import machine_name
-        from ddserve.bench.static_step import SMOLLM2
-        from ddserve.engine.weights import random_llama
-
-        device = a.device if a.device != "auto" else "cuda"
-        dtype = torch.bfloat16 if device == "cuda" else torch.float32
-        lm = SimpleNamespace(model=random_llama(SMOLLM2).to(device, dtype))
-        gen = torch.Generator().manual_seed(0)
-        prompts = [torch.randint(100, 40000, (120,), generator=gen).tolist() for _ in range(16)]
-        machine = machine_name(device)
+    if a.model == "random-smollm2":
+        lm, prompts, machine = random_smollm2(a.device)
     else:
         lm, prompts, machine = load_on(a.model, a.device, a.prompt_set)
     result = {
