@@ -43,7 +43,7 @@ def test_shipped_configs_validate():
     assert load_config(ROOT / "deploy" / "default.yaml").engine.kind == "builtin"
     assert load_config(ROOT / "deploy" / "kimi-tp8.yaml").engine.tp_size == 8
     gpu = load_config(ROOT / "deploy" / "smollm2-gpu.yaml")
-    assert gpu.engine.device == "cuda" and gpu.engine.speculative_adaptive
+    assert gpu.engine.device == "cuda" and gpu.engine.num_scheduler_steps == 4
     assert gpu.max_ongoing_requests >= gpu.engine.max_batch  # Serve lets every slot fill
 
 

@@ -1074,3 +1074,28 @@ def test_compiled_glue_that_fails_runs_eagerly(monkeypatch, caplog):
     monkeypatch.setattr(static_models, "COMPILE_GLUE", False)
     plain = lambda x: x  # noqa: E731
     assert static_models.glue_compiled(plain, True) is plain
+
+
+@cuda
+@pytest.mark.parametrize("batch", [1, 2])
+def test_budgets_changing_round_by_round_stay_finite_cuda_bf16(batch):
+    """What adaptive speculation does on a GPU: the budget changing round by round (verify
+    widths 16, 8, 4, 2, 1) and fixed small budgets, one and two requests a round, in bf16
+    on SmolLM2's shapes (random weights) with the builtin DFlash drafter, as served (CUDA
+    graphs, fused layers, triton attention, trees on the GPU): no request ends with
+    non-finite logits. On an H100 the adaptive runner's requests did, with the real weights,
+    where fixed b15/k4 ones did not (bench/NOTES.md, twenty-eighth session;
+    ddserve.bench.nonfinite_probe takes the suspects out one at a time)."""
+    from ddserve.bench.engine_cpu import make_drafter
+    from ddserve.bench.nonfinite_probe import SCHEDULES, run
+    from ddserve.bench.round_profile import random_smollm2
+
+    lm, prompts, _ = random_smollm2("cuda")
+    m = lm.model
+    eng = StaticEngine(
+        m, make_drafter("dflash", m, None), 8, (), slots=2, max_context=1024, graphs=True
+    )
+    assert eng.device_tree and eng.fused_layers and eng.target.attention == "triton"
+    for name, schedule in SCHEDULES.items():
+        row = run(eng, prompts[:4], schedule, 48, batch)
+        assert row["failed"] == 0, (name, row)
