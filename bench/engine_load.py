@@ -245,7 +245,7 @@ def main() -> None:
         result["configs"].append(run_config(lm, name, a, prompts, levels))
         (out / f"{a.name}.json").write_text(json.dumps(result, indent=1))
     print(
-        f"\n{'config':14s} {'C':>4s} {'tok/s':>9s} {'req/s':>7s} {'tau':>6s} {'TTFT p50':>9s} {'ITL p50':>8s} {'ITL p99':>8s} {'host ms/round':>14s}"
+        f"\n{'config':14s} {'C':>4s} {'tok/s':>9s} {'req/s':>7s} {'tau':>6s} {'TTFT p50':>9s} {'ITL p50':>8s} {'ITL p99':>8s} {'host ms/round':>14s} {'errors':>7s}"
     )
     for row in result["configs"]:
         for lv in row["levels"]:
@@ -253,7 +253,8 @@ def main() -> None:
             print(
                 f"{row['config']:14s} {lv['concurrency']:4d} {lv['output_tok_s']:9.1f} {lv['requests_per_s']:7.2f} "
                 f"{lv['tau_mean'] or 0:6.2f} {lv['ttft_ms_p50'] or 0:9.2f} {lv['itl_ms_p50'] or 0:8.3f} "
-                f"{lv['itl_ms_p99'] or 0:8.3f} {host if host is not None else '-':>14}"
+                f"{lv['itl_ms_p99'] or 0:8.3f} {host if host is not None else '-':>14} "
+                f"{lv['errors']:7d}"
             )
 
 
