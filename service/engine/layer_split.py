@@ -20,10 +20,14 @@ a stream run one after another (with PDL, each touches them only after `wait_pre
 its predecessor, whose finishers reset their counters, has completed). Forwards on two
 streams (a prompt chunk beside a step, graph lanes) get their own (`workspace`, keyed by
 the stream a forward is issued or captured on). A workspace, once made, is never freed: a
-graph captured with it keeps its address. One made during a capture (the capture stream's
-first split kernel: the warm-up runs went to another stream) has its counters zeroed by the
-graph, at each replay; should that capture fail, the next forward outside a capture zeroes
-them before its kernels run.
+graph captured with it keeps its address. The engine's graphs (static.GraphCache) run a
+forward eagerly on their capture stream before capturing it, so the workspace is made there,
+outside any capture: made inside one, it would come from the graph pool the lane's graphs
+share, possibly from memory an earlier graph uses as scratch, whose every replay would then
+overwrite the counters (on an H100 that ended requests with non-finite logits where verify
+widths changed round by round: bench/NOTES.md, twenty-eighth session). One a capture makes
+anyway (a caller without that warm-up) has its counters zeroed by that graph at each
+replay; should that capture fail, the next forward outside a capture zeroes them first.
 """
 
 from __future__ import annotations

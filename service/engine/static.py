@@ -339,7 +339,8 @@ class GraphCache:
     prompt chunk beside a decode step, StaticEngine's overlapped prefill), so each lane has
     its own memory pool, its own capture stream (cuBLAS keeps a workspace per stream that a
     captured GEMM reuses at every replay: graphs captured on one stream share it) and its own
-    stream for the warm-up runs before a capture. All are drawn here, once: torch hands out
+    stream for the first warm-up run before a capture (the second runs on the capture stream,
+    eagerly: `_capture`). All are drawn here, once: torch hands out
     streams round-robin from a pool of 32, so a stream drawn per capture would sooner or
     later be another lane's."""
 
@@ -374,12 +375,23 @@ class GraphCache:
         return out
 
     def _capture(self, key, fn, lane: int):
-        pool, capture, stream = self.lanes[lane]  # its warm-up runs go to `stream`
+        pool, capture, stream = self.lanes[lane]  # its first warm-up run goes to `stream`
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):  # warm-up runs (allocator, cuBLAS handles) off-graph
-            for _ in range(2):
-                fn()
-        torch.cuda.current_stream().wait_stream(stream)
+            fn()
+        # the second on the capture stream, eagerly: what a forward makes once per stream and
+        # keeps (the split-K kernels' workspace and tile counters, ddserve.engine.layer_split)
+        # is then made here, in the general pool. Made inside the capture it would come from
+        # the lane's shared graph pool, where it may overlap memory that a graph captured
+        # earlier uses as scratch: that graph's every replay would overwrite it (PyTorch
+        # shares a pool safely only among graphs replayed in capture order; these replay in
+        # any order). The counters must stay zero between kernels: overwritten, a split tile
+        # was finished by the wrong program or never, and the H100's adaptive rounds, whose
+        # widths change round by round, ended requests with non-finite logits.
+        capture.wait_stream(stream)
+        with torch.cuda.stream(capture):
+            fn()
+        torch.cuda.current_stream().wait_stream(capture)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=pool, stream=capture):
             out = fn()

@@ -1099,3 +1099,33 @@ def test_budgets_changing_round_by_round_stay_finite_cuda_bf16(batch):
     for name, schedule in SCHEDULES.items():
         row = run(eng, prompts[:4], schedule, 48, batch)
         assert row["failed"] == 0, (name, row)
+
+
+@cuda
+def test_split_k_counters_stay_zero_whatever_graph_replays_cuda_bf16():
+    """The split-K kernels' tile counters (ddserve.engine.layer_split) are zero between
+    kernels, whichever captured forward replays, in any order: made outside every capture
+    (GraphCache's warm-up run on the capture stream), no graph's scratch overlaps them. Made
+    inside one, they came from the lane's shared graph pool, where forwards captured earlier
+    overwrote them at each replay (the H100's adaptive rounds: non-finite logits)."""
+    from ddserve.bench.engine_cpu import make_drafter
+    from ddserve.bench.round_profile import random_smollm2
+    from ddserve.engine import layer_split
+
+    layer_split._SPACES.clear()  # this engine's workspaces only
+    lm, _, _ = random_smollm2("cuda")
+    m = lm.model
+    eng = StaticEngine(
+        m, make_drafter("dflash", m, None), 8, (), slots=2, max_context=1024, graphs=True
+    )
+    for budget in (0, 1, 3, 7, 15):  # the shapes adaptive speculation's rounds take
+        eng.warm_up(LiveParams(budget=budget, topk=4))
+    counters = [cnt for _, cnt in layer_split._SPACES.values()]
+    assert counters, "no split-K kernel ran"
+    graphs = [*eng.target.graphs.graphs.items(), *eng.sdraft.graphs.graphs.items()]
+    assert len(graphs) > 10
+    for order in (graphs, graphs[::-1]):
+        for key, (graph, _) in order:  # the warm-up's inputs: guard entries only
+            graph.replay()
+            torch.cuda.synchronize()
+            assert all(int(c.count_nonzero()) == 0 for c in counters), key
