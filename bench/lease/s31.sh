@@ -1,19 +1,19 @@
-# Twenty-ninth session: why adaptive speculation's rounds end requests with non-finite logits on
-# a GPU (twenty-eighth session, H100, bf16: 18/32 requests at C=1, 32/32 at C=2; fixed b15/k4
-# none), then the load levels again. One lease, calls back to back on one machine (it goes back
-# 30 s after a call). `CALL=N bash bench/lease/s31.sh`:
-#   1  carry .whl .carry/r1   random SmolLM2 weights (no GGUF yet): the GPU test of changing
-#                   budgets (bf16, B 1 and 2), then bench.nonfinite_probe as served and with
-#                   one suspect out at a time: split-K off, sdpa attention, torch's layers,
-#                   no CUDA graphs (a variant that ends no request where the default ends
-#                   some names the part to read)
+# Twenty-ninth session: whether the mend of adaptive speculation's non-finite logits on a GPU
+# holds (twenty-eighth session, H100, bf16: 18/32 requests at C=1, 32/32 at C=2; fixed b15/k4
+# none; the mend: the split-K counters made outside every graph capture, static.GraphCache),
+# then the load levels again. One lease, calls back to back on one machine (it goes back 30 s
+# after a call). `CALL=N bash bench/lease/s31.sh`:
+#   1  carry .whl .carry/r1   random SmolLM2 weights (no GGUF yet): the GPU tests (counters
+#                   zero whatever graph replays; budgets changing in bf16, B 1 and 2), then
+#                   bench.nonfinite_probe mended against the defect back (capture_in_pool.json:
+#                   the counters made in the capture, as before); with ALL=1 also each other
+#                   suspect out (split-K off, sdpa attention, torch's layers, no graphs)
 #   2  carry .carry/r2        the GGUF's second part
-#   3  carry .carry/r3        the same probe on the real weights (where call 1's random weights
-#                   did not fail), default and the variants
+#   3  carry .carry/r3        the same probe on the real weights, mended and not (ALL=1: the
+#                   other variants too)
 #   4  (nothing)              load levels through the in-process runner (C 1/2/16/64, 128
 #                   tokens, ignore_eos): AR 1 / 4 steps, b15/k4 fixed at 4 rounds a trip,
-#                   adaptive at 4 (LOAD, VARIANT: a bench.tuned JSON with the mend if call 1
-#                   or 3 found one)
+#                   adaptive at 4 (LOAD; VARIANT: a bench.tuned JSON)
 mkdir -p /root/parts
 cp .carry/r*/* /root/parts/ 2>/dev/null  # the GGUF in three parts, .carry/r1..r3
 . bench/device_env.sh /root/parts
@@ -35,16 +35,19 @@ tuned() {  # MODEL NAME JSON [ARGS...]: the probe under bench.tuned
     echo "$name: ${SECONDS}s"
 }
 variants() {  # MODEL PREFIX
-    probe $1 $2-default
-    tuned $1 $2-unsplit bench/lease/unsplit_all.json
-    probe $1 $2-sdpa --attention sdpa
-    probe $1 $2-torch --fused-layers off
-    probe $1 $2-nographs --graphs off
+    probe $1 $2-mended
+    tuned $1 $2-inpool bench/lease/capture_in_pool.json
+    if [ -n "${ALL:-}" ]; then
+        tuned $1 $2-unsplit bench/lease/unsplit_all.json
+        probe $1 $2-sdpa --attention sdpa
+        probe $1 $2-torch --fused-layers off
+        probe $1 $2-nographs --graphs off
+    fi
 }
 case ${CALL:?} in
 1)
-    timeout 120 python3 -m pytest -q -p no:cacheprovider tests/engine/test_static_engine.py \
-        -k budgets_changing 2>&1 | tail -15 | tee $OUT/gpu_tests.txt
+    timeout 150 python3 -m pytest -q -p no:cacheprovider tests/engine/test_static_engine.py \
+        -k "budgets_changing or split_k_counters" 2>&1 | tail -15 | tee $OUT/gpu_tests.txt
     echo "tests: ${SECONDS}s"
     variants random-smollm2 rand
     ;;

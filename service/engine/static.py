@@ -319,6 +319,12 @@ def fused_layers_on(choice: str, device: torch.device, dtype: torch.dtype) -> bo
     return True
 
 
+# GraphCache's second warm-up run on the capture stream (`_capture`); False: both on the
+# warm-up stream, as before 2026-12-07 (benchmarks' switch, bench.tuned's engine knobs: the
+# defect it mends, side by side)
+CAPTURE_STREAM_WARM_UP = True
+
+
 class Lane(NamedTuple):
     """What a GraphCache's graphs of one lane share."""
 
@@ -388,10 +394,11 @@ class GraphCache:
         # any order). The counters must stay zero between kernels: overwritten, a split tile
         # was finished by the wrong program or never, and the H100's adaptive rounds, whose
         # widths change round by round, ended requests with non-finite logits.
-        capture.wait_stream(stream)
-        with torch.cuda.stream(capture):
+        second = capture if CAPTURE_STREAM_WARM_UP else stream
+        second.wait_stream(stream)
+        with torch.cuda.stream(second):
             fn()
-        torch.cuda.current_stream().wait_stream(capture)
+        torch.cuda.current_stream().wait_stream(second)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=pool, stream=capture):
             out = fn()
