@@ -81,6 +81,7 @@ def main(argv=None) -> int:
     ap.add_argument("--model", default="smollm2-135m", help="or random-smollm2 (no GGUF)")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--batches", default="1,2", help="requests decoded together")
+    ap.add_argument("--schedules", default=",".join(SCHEDULES), help="of " + ",".join(SCHEDULES))
     ap.add_argument("--attention", default="auto", choices=("auto", "sdpa", "triton"))
     ap.add_argument("--fused-layers", default="auto", choices=("auto", "on", "off"))
     ap.add_argument("--graphs", default="on", choices=("on", "off"))
@@ -93,6 +94,8 @@ def main(argv=None) -> int:
         batches = [int(x) for x in a.batches.split(",")]
     except ValueError:
         sys.exit(f"--batches {a.batches!r}: expected integers like 1,2")
+    if bad := set(a.schedules.split(",")) - set(SCHEDULES):
+        sys.exit(f"--schedules: unknown {sorted(bad)}; known: {', '.join(SCHEDULES)}")
     if a.model == "random-smollm2":
         lm, prompts, machine = random_smollm2(a.device)
         prompts = prompts[: a.prompts]
@@ -116,7 +119,8 @@ def main(argv=None) -> int:
         eng.warm_up(LiveParams(budget=budget, topk=4))
     rows: dict[str, dict] = {}
     for b in batches:
-        for name, schedule in SCHEDULES.items():
+        for name in a.schedules.split(","):
+            schedule = SCHEDULES[name]
             t0 = time.perf_counter()
             row = run(eng, prompts, schedule, a.max_tokens, b)
             row["s"] = round(time.perf_counter() - t0, 1)
