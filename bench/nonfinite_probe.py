@@ -1,7 +1,7 @@
 """Which DDTree verify shapes make the static engine report non-finite logits on a GPU.
 
     python -m ddserve.bench.nonfinite_probe [--model random-smollm2] [--batches 1,2]
-        [--attention auto|sdpa|triton] [--fused-layers auto|off] [--graphs on|off]
+        [--attention auto|sdpa|triton] [--fused-layers auto|off] [--graphs on|off] [--steps 4]
         [--prompts 16] [--max-tokens 128] [--name N] [--out DIR]
 
 On an H100 (twenty-eighth session, bf16, the builtin drafter) the in-process runner with
@@ -18,7 +18,11 @@ busy) with fixed budgets 1/3/7/15 and with the budget changing every round as th
 policy changes it, and prints per schedule and B the requests that failed and the first
 failing round (budget, round, context length). Its switches take the suspects out one at a
 time: `--attention sdpa`, `--fused-layers off`, `--graphs off`, and split-K off by running
-it under `bench.tuned bench/lease/unsplit_all.json`."""
+it under `bench.tuned bench/lease/unsplit_all.json`; `--steps 4` runs the calls as rounds a
+trip (budget 0: plain steps), as the adaptive runs at 4 steps did (they failed too).
+Requests ended by an exception of the shared part count as failed, with its message.
+Every forward shape is captured in the warm-up, budget by budget (0, 1, 3, 7, 15), in the
+order the adaptive engine's start-up captures them."""
 
 from __future__ import annotations
 
@@ -57,7 +61,10 @@ def run(eng, prompts, schedule, max_tokens: int, batch: int) -> dict:
             r = 0
             while live := [s for s in seqs if not s.finished]:
                 budget = schedule[r % len(schedule)]
-                outs = eng.step_batch(live, LiveParams(budget=budget, topk=4))
+                try:
+                    outs = eng.step_batch(live, LiveParams(budget=budget, topk=4))
+                except Exception as exc:  # noqa: BLE001 - the shared part: every one fails
+                    outs = [exc] * len(live)
                 for seq, out in zip(live, outs, strict=True):
                     if isinstance(out, Exception):
                         failed += 1
@@ -85,6 +92,7 @@ def main(argv=None) -> int:
     ap.add_argument("--attention", default="auto", choices=("auto", "sdpa", "triton"))
     ap.add_argument("--fused-layers", default="auto", choices=("auto", "on", "off"))
     ap.add_argument("--graphs", default="on", choices=("on", "off"))
+    ap.add_argument("--steps", type=int, default=1, help="--num-scheduler-steps (4: rounds a trip)")
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--name", default="nonfinite")
@@ -114,6 +122,7 @@ def main(argv=None) -> int:
         compile=gpu,
         attention=a.attention,
         fused_layers=a.fused_layers,
+        scheduler_steps=a.steps,
     )
     for budget in (0, 1, 3, 7, 15):
         eng.warm_up(LiveParams(budget=budget, topk=4))
@@ -134,6 +143,7 @@ def main(argv=None) -> int:
             "fused_layers": eng.fused_layers,
             "graphs": eng.target.graphs.enabled,
             "device_tree": eng.device_tree,
+            "steps": a.steps,
         },
         "command": " ".join(sys.argv),
         "rows": rows,

@@ -6,7 +6,8 @@
 #   1  carry .whl .carry/r1   random SmolLM2 weights (no GGUF yet): the GPU tests (counters
 #                   zero whatever graph replays; budgets changing in bf16, B 1 and 2), then
 #                   bench.nonfinite_probe mended against the defect back (capture_in_pool.json:
-#                   the counters made in the capture, as before); with ALL=1 also each other
+#                   the counters made in the capture, as before), mended at 4 rounds a trip;
+#                   with ALL=1 also each other
 #                   suspect out (split-K off, sdpa attention, torch's layers, no graphs)
 #   2  carry .carry/r2        the GGUF's second part
 #   3  carry .carry/r3        the same probe on the real weights, mended and not (ALL=1: the
@@ -21,7 +22,7 @@ quiet() { grep -v -i -e warn -e transformers -e Convert -e Loading; }
 probe() {  # MODEL NAME [ARGS...]: the probe, its per-schedule lines
     model=$1 name=$2
     shift 2
-    timeout ${PROBE_S:-75} python3 -m ddserve.bench.nonfinite_probe --model $model \
+    timeout ${PROBE_S:-150} python3 -m ddserve.bench.nonfinite_probe --model $model \
         --prompts ${PROMPTS:-8} --max-tokens ${TOKENS:-64} --name $name --out $OUT "$@" 2>&1 |
         quiet | grep -e "@B" -e Error | sed "s/^/$name /" | cut -c1-160
     echo "$name: ${SECONDS}s"
@@ -29,7 +30,7 @@ probe() {  # MODEL NAME [ARGS...]: the probe, its per-schedule lines
 tuned() {  # MODEL NAME JSON [ARGS...]: the probe under bench.tuned
     model=$1 name=$2 json=$3
     shift 3
-    timeout ${PROBE_S:-75} python3 -m ddserve.bench.tuned $json ddserve.bench.nonfinite_probe \
+    timeout ${PROBE_S:-150} python3 -m ddserve.bench.tuned $json ddserve.bench.nonfinite_probe \
         --model $model --prompts ${PROMPTS:-8} --max-tokens ${TOKENS:-64} --name $name \
         --out $OUT "$@" 2>&1 | quiet | grep -e "@B" -e Error | sed "s/^/$name /" | cut -c1-160
     echo "$name: ${SECONDS}s"
@@ -37,6 +38,7 @@ tuned() {  # MODEL NAME JSON [ARGS...]: the probe under bench.tuned
 variants() {  # MODEL PREFIX
     probe $1 $2-mended
     tuned $1 $2-inpool bench/lease/capture_in_pool.json
+    probe $1 $2-mended-steps4 --steps 4
     if [ -n "${ALL:-}" ]; then
         tuned $1 $2-unsplit bench/lease/unsplit_all.json
         probe $1 $2-sdpa --attention sdpa

@@ -180,6 +180,7 @@ class StaticEngine(Prefill, Drafting, Accepting, Steps, SpecSteps):
         self._side, self._launched = None, None  # the overlapped prefill's stream, its run
         # several DDTree rounds a host round trip (static_spec): their glue's graphs, buffers
         self.spec_graphs, self._spec = GraphCache(graphs, "spec"), {}
+        self._feed = None  # budget-0 plain steps' feature-row indices (static_steps)
         self.spec_glue = spec_glue(compile)
         self.timing = {"rounds": 0, "draft_s": 0.0, "tree_s": 0.0, "verify_s": 0.0, "accept_s": 0.0}
 

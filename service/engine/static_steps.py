@@ -47,8 +47,9 @@ class Steps:
     sampler)."""
 
     def _steps_round(self, seqs: list[Sequence], steps: int) -> list[Outcome]:
-        """`steps` one-token steps of every sequence (no drafter, none asks for log-probs);
-        fewer where no request has that many tokens left to make."""
+        """`steps` one-token steps of every sequence (no drafter, or a DFlash drafter at
+        budget 0; none asks for log-probs); fewer where no request has that many tokens left
+        to make (and, with a drafter, at most a feature buffer's rows)."""
         t0 = time.perf_counter()
         left = max(seq.sampling.max_tokens - len(seq.output) for seq in seqs)
         pool, target, sd = self.pool, self.target, self.sdraft
@@ -85,7 +86,10 @@ class Steps:
         key, inputs = (True, b, 1, ctx), None
         if sd is not None:  # each step's input's tapped row into its slot's next feature row
             at = slots * sd.new_rows + np.array([seq.pending for seq in seqs], dtype=np.int64)
-            feed = torch.from_numpy(np.concatenate([at, slots])).to(dev)
+            if self._feed is None:  # the feature rows' destinations, then the taps' rows
+                self._feed = torch.zeros(2 * pool.slots, dtype=torch.long, device=dev)
+            target.staging.copy(self._feed, np.concatenate([at, slots]))  # no host wait
+            feed = self._feed
             feats = sd.feats.flatten(0, 1)
         t1 = time.perf_counter()
         for i in range(steps):
@@ -95,7 +99,7 @@ class Steps:
                 logits, top, taps = target.forward_next(key, out[i - 1, 0])
             if sd is not None:  # copied now: the next step's replay overwrites `taps`
                 n = len(seqs)
-                feats.index_copy_(0, feed[:n] + i, taps.index_select(0, feed[n:]))
+                feats.index_copy_(0, feed[:n] + i, taps.index_select(0, feed[n : 2 * n]))
             out[i, :2].copy_(top)
             for s, bias in biased_greedy:  # its argmax under the bias
                 out[i, 0, s] = (logits[s] + bias).argmax(-1)
