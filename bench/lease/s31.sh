@@ -22,7 +22,7 @@ quiet() { grep -v -i -e warn -e transformers -e Convert -e Loading; }
 probe() {  # MODEL NAME [ARGS...]: the probe, its per-schedule lines
     model=$1 name=$2
     shift 2
-    timeout ${PROBE_S:-150} python3 -m ddserve.bench.nonfinite_probe --model $model \
+    timeout ${PROBE_S:-110} python3 -m ddserve.bench.nonfinite_probe --model $model \
         --prompts ${PROMPTS:-8} --max-tokens ${TOKENS:-64} --name $name --out $OUT "$@" 2>&1 |
         quiet | grep -e "@B" -e Error | sed "s/^/$name /" | cut -c1-160
     echo "$name: ${SECONDS}s"
@@ -30,7 +30,7 @@ probe() {  # MODEL NAME [ARGS...]: the probe, its per-schedule lines
 tuned() {  # MODEL NAME JSON [ARGS...]: the probe under bench.tuned
     model=$1 name=$2 json=$3
     shift 3
-    timeout ${PROBE_S:-150} python3 -m ddserve.bench.tuned $json ddserve.bench.nonfinite_probe \
+    timeout ${PROBE_S:-110} python3 -m ddserve.bench.tuned $json ddserve.bench.nonfinite_probe \
         --model $model --prompts ${PROMPTS:-8} --max-tokens ${TOKENS:-64} --name $name \
         --out $OUT "$@" 2>&1 | quiet | grep -e "@B" -e Error | sed "s/^/$name /" | cut -c1-160
     echo "$name: ${SECONDS}s"
@@ -48,7 +48,7 @@ variants() {  # MODEL PREFIX
 }
 case ${CALL:?} in
 1)
-    timeout 150 python3 -m pytest -q -p no:cacheprovider tests/engine/test_static_engine.py \
+    timeout ${TESTS_S:-240} python3 -m pytest -q -p no:cacheprovider tests/engine/test_static_engine.py \
         -k "budgets_changing or split_k_counters" 2>&1 | tail -15 | tee $OUT/gpu_tests.txt
     echo "tests: ${SECONDS}s"
     variants random-smollm2 rand
