@@ -20,6 +20,7 @@ same code. Parameters are read once per round, so a live change is atomic per ro
 
 from __future__ import annotations
 
+import asyncio
 import secrets
 import time
 from dataclasses import dataclass
@@ -249,6 +250,25 @@ def record_trees(engine) -> list[Draft]:
 
     engine.accept = recording
     return trees
+
+
+def runner_together_and_alone(runner, n: int, max_tokens: int) -> tuple[list, list]:
+    """Prompts [1, 5 + i, 9] for i < n through a started EngineRunner, all at once and then
+    one at a time (`max_tokens` each, ignore_eos): the tokens each got, (together, alone)."""
+
+    async def one(p):
+        out = []
+        sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        async for step in runner.generate(p, sp):
+            out += step.token_ids
+        return out
+
+    async def main():
+        together = await asyncio.gather(*(one([1, 5 + i, 9]) for i in range(n)))
+        alone = [await one([1, 5 + i, 9]) for i in range(n)]
+        return list(together), alone
+
+    return asyncio.run(main())
 
 
 def decode_with_late_joiner(eng, prompts, params, max_tokens: int) -> list[tuple]:

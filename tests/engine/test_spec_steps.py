@@ -19,7 +19,7 @@ from ddserve.engine.static_engine import StaticEngine
 from ddserve.engine.tree import accept_batch, accept_device, ancestor_mask, build_tree_top
 from ddserve.engine.weights import random_llama, tiny_config
 from ddserve.errors import EngineError
-from tests.engine.reference import ReferenceDFlash, ReferenceEngine
+from tests.engine.reference import ReferenceDFlash, ReferenceEngine, runner_together_and_alone
 from tests.engine.test_batching import PROMPTS, check_batched_sampling, run_lockstep
 from tests.engine.test_lossless import random_dflash
 from tests.engine.test_tree_triton import host_build_trees
@@ -335,8 +335,6 @@ def test_runner_rounds_a_trip_serve_concurrent_requests_as_alone(tmp_path, monke
     """Through the runner (num_scheduler_steps=4, a DFlash drafter, trees built by the
     kernel's host oracle as on a GPU): concurrent requests get their answers alone; calls
     with prompts joining or a first token to make run one round, the others four."""
-    import asyncio
-
     from ddserve.config.engine import EngineConfig
     from ddserve.engine.dflash import save_dflash
     from ddserve.engine.runner import EngineRunner
@@ -365,18 +363,7 @@ def test_runner_rounds_a_trip_serve_concurrent_requests_as_alone(tmp_path, monke
         monkeypatch.setattr(eng, "step_batch", spy)
         monkeypatch.setattr(eng.sdraft, "again", lambda: (rounds.append(1), again())[1])
 
-        async def one(p, n=24):
-            out = []
-            async for step in runner.generate(p, SamplingParams(max_tokens=n, ignore_eos=True)):
-                out += step.token_ids
-            return out
-
-        async def main():
-            together = await asyncio.gather(*(one([1, 5 + i, 9]) for i in range(6)))
-            alone = [await one([1, 5 + i, 9]) for i in range(6)]
-            return together, alone
-
-        together, alone = asyncio.run(main())
+        together, alone = runner_together_and_alone(runner, 6, 24)
     finally:
         runner.shutdown()
     assert together == alone and all(len(o) == 24 for o in together)

@@ -20,7 +20,12 @@ from ddserve.engine.static_models import FRESH_CTX
 from ddserve.engine.static_prefill import fresh_chunks, fresh_rows
 from ddserve.engine.weights import random_llama, tiny_config
 from ddserve.errors import EngineError
-from tests.engine.reference import ReferenceDFlash, ReferenceEngine, record_trees
+from tests.engine.reference import (
+    ReferenceDFlash,
+    ReferenceEngine,
+    record_trees,
+    runner_together_and_alone,
+)
 from tests.engine.test_batching import PROMPTS, check_batched_sampling, run_lockstep
 from tests.engine.test_lossless import assert_logprobs_match, plain_greedy, random_dflash
 
@@ -158,18 +163,7 @@ def test_runner_queues_requests_beyond_the_pool():
     try:
         assert isinstance(runner.engine, StaticEngine)
 
-        async def one(p):
-            out = []
-            async for step in runner.generate(p, SamplingParams(max_tokens=12, ignore_eos=True)):
-                out += step.token_ids
-            return out
-
-        async def main():
-            together = await asyncio.gather(*(one([1, 5 + i, 9]) for i in range(8)))
-            alone = [await one([1, 5 + i, 9]) for i in range(8)]
-            return together, alone
-
-        together, alone = asyncio.run(main())
+        together, alone = runner_together_and_alone(runner, 8, 12)
         assert together == alone and all(len(o) == 12 for o in together)
         deadline = time.monotonic() + 5  # the worker releases a slot after the round
         while runner.engine.free_slots != 2 and time.monotonic() < deadline:
