@@ -72,9 +72,14 @@ def make_drafter(kind: str, m, dflash_dir: str | None):
     return DFlashDrafter(load_dflash(path), m, vocab)
 
 
+def steps_mode(mode: str) -> bool:
+    """Whether a config's mode is `stepsN` (--num-scheduler-steps N)."""
+    return mode.startswith("steps") and mode[5:].isdigit()
+
+
 def steps_of(modes: list[str]) -> int:
-    """N of a config's `@stepsN` mode (--num-scheduler-steps N), else 1."""
-    return next((int(m[5:]) for m in modes if m.startswith("steps") and m[5:].isdigit()), 1)
+    """N of a config's `@stepsN` mode, else 1."""
+    return next((int(m[5:]) for m in modes if steps_mode(m)), 1)
 
 
 def load_on(model: str, device: str, prompts: str):

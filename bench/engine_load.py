@@ -37,7 +37,14 @@ from pathlib import Path
 
 import torch
 
-from ddserve.bench.engine_cpu import REGISTRY, load_on, machine_name, prompt_set, steps_of
+from ddserve.bench.engine_cpu import (
+    REGISTRY,
+    load_on,
+    machine_name,
+    prompt_set,
+    steps_mode,
+    steps_of,
+)
 from ddserve.bench.load import RequestResult, closed_loop
 from ddserve.bench.prompts import chat_ids
 from ddserve.config.engine import EngineConfig
@@ -208,7 +215,7 @@ def main() -> None:
         for c in configs
         if (b := c.split("@"))[0] not in REGISTRY
         or REGISTRY[b[0]][0] == "dflash-fullvocab"
-        or not all(m in MODES or (m[:5] == "steps" and m[5:].isdigit()) for m in b[1:])
+        or not all(m in MODES or steps_mode(m) for m in b[1:])
     ]
     if bad:
         sys.exit(f"unknown config {bad[0]!r}; known: {', '.join(REGISTRY)}")
