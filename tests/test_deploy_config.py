@@ -44,6 +44,7 @@ def test_shipped_configs_validate():
     assert load_config(ROOT / "deploy" / "kimi-tp8.yaml").engine.tp_size == 8
     gpu = load_config(ROOT / "deploy" / "smollm2-gpu.yaml")
     assert gpu.engine.device == "cuda" and gpu.engine.num_scheduler_steps == 4
+    assert gpu.engine.speculative_adaptive and gpu.engine.params.budget == 15
     assert gpu.max_ongoing_requests >= gpu.engine.max_batch  # Serve lets every slot fill
 
 
