@@ -159,6 +159,9 @@ def run_config(lm, name, a, prompts, levels) -> dict:
             for k in ("draft_s", "tree_s", "verify_s", "accept_s"):
                 lv[k.replace("_s", "_ms_per_round")] = round((tm[k] - timing0[k]) / rounds * 1e3, 3)
             lv["wall_ms_per_round"] = round(wall / rounds * 1e3, 3)  # warm-up requests included
+            if "trips" in tm:  # rounds a host round trip (num_scheduler_steps: at most that)
+                trips = max(1, tm["trips"] - timing0["trips"])
+                lv["rounds_per_trip"] = round(rounds / trips, 2)
         if events:
             torch.cuda.synchronize()
             gpu = [s.elapsed_time(e) for s, e in events]
@@ -252,7 +255,7 @@ def main() -> None:
         result["configs"].append(run_config(lm, name, a, prompts, levels))
         (out / f"{a.name}.json").write_text(json.dumps(result, indent=1))
     print(
-        f"\n{'config':14s} {'C':>4s} {'tok/s':>9s} {'req/s':>7s} {'tau':>6s} {'TTFT p50':>9s} {'ITL p50':>8s} {'ITL p99':>8s} {'host ms/round':>14s} {'errors':>7s}"
+        f"\n{'config':14s} {'C':>4s} {'tok/s':>9s} {'req/s':>7s} {'tau':>6s} {'TTFT p50':>9s} {'ITL p50':>8s} {'ITL p99':>8s} {'host ms/round':>14s} {'errors':>7s} {'rounds/trip':>11s}"
     )
     for row in result["configs"]:
         for lv in row["levels"]:
@@ -261,7 +264,7 @@ def main() -> None:
                 f"{row['config']:14s} {lv['concurrency']:4d} {lv['output_tok_s']:9.1f} {lv['requests_per_s']:7.2f} "
                 f"{lv['tau_mean'] or 0:6.2f} {lv['ttft_ms_p50'] or 0:9.2f} {lv['itl_ms_p50'] or 0:8.3f} "
                 f"{lv['itl_ms_p99'] or 0:8.3f} {host if host is not None else '-':>14} "
-                f"{lv['errors']:7d}"
+                f"{lv['errors']:7d} {lv.get('rounds_per_trip', '-'):>11}"
             )
 
 

@@ -85,10 +85,10 @@ def _plot(found: list[dict], path: Path) -> None:
         return
     paths = sorted({r["path"] for r in found})
     fig, axes = plt.subplots(1, len(paths), figsize=(6 * len(paths), 4), squeeze=False)
-    for ax, name in zip(axes[0], paths):
+    for ax, name in zip(axes[0], paths, strict=True):
         for cfg in dict.fromkeys(r["config"] for r in found if r["path"] == name):
             pts = [(r["c"], r["tok_s"]) for r in found if (r["path"], r["config"]) == (name, cfg)]
-            ax.plot(*zip(*pts), marker="o", label=cfg)
+            ax.plot(*zip(*pts, strict=True), marker="o", label=cfg)
         ax.set(xscale="log", xlabel="concurrency", ylabel="output tok/s", title=name)
         ax.legend(fontsize=7)
     fig.tight_layout()

@@ -198,3 +198,50 @@ def test_runner_steps_once_a_round_while_prompts_wait(monkeypatch):
     assert firsts == [1] * 14  # a first token after one step, never four
     four = [t for n, t in rounds if n == 4]
     assert four and max(told) < 0.6 * max(four)  # a step's time, not a 4-step round's
+
+
+def test_a_newcomer_beside_decoding_requests_takes_their_steps_above_the_share(monkeypatch):
+    """rounds.FIRST_TOKEN_SHARE 0.5: a request joining one that decodes is half the round's
+    requests, not more, so the trip keeps its four steps and the newcomer's first token comes
+    with three more (by default one step: test above); its answer is still its answer alone."""
+    from ddserve.engine import rounds
+
+    monkeypatch.setattr(rounds, "FIRST_TOKEN_SHARE", 0.5)
+    cfg = EngineConfig(
+        model="tiny-random",
+        device="cpu",
+        max_batch=4,
+        num_scheduler_steps=4,
+        drafter={"kind": "none"},
+        overlap_prefill="on",
+    )
+    runner = EngineRunner(cfg)
+    runner.start()
+    firsts = []
+
+    async def one(p, n=10, running=None):
+        out = []
+        async for step in runner.generate(p, SamplingParams(max_tokens=n, ignore_eos=True)):
+            if not out:
+                firsts.append(len(step.token_ids))
+            out += step.token_ids
+            if running is not None:
+                running.set()
+        return out
+
+    async def main():
+        alone = await one([1, 5, 9])
+        running = asyncio.Event()
+        long = asyncio.create_task(one([2, 3, 4], 400, running))
+        await running.wait()
+        late = await one([1, 5, 9])
+        await long
+        return alone, late
+
+    try:
+        alone, late = asyncio.run(main())
+    finally:
+        runner.shutdown()
+    assert late == alone and len(late) == 10
+    # alone: all of the round's requests are new (one step); the long one's first: alone too
+    assert firsts[:2] == [1, 1] and firsts[2] == 4
