@@ -3,7 +3,7 @@
     python -m ddserve.bench.engine_load [--model smollm2-135m] [--device cuda] [--graphs auto]
         [--configs ar,dflash-b3k1] [--concurrency 1,4,16,64] [--requests 64]
         [--waves 2] [--max-tokens 128] [--temperature 0] [--prompt-set chat] [--name engine_load]
-        [--compile auto|on|off] [--spec-max-batch N]
+        [--compile auto|on|off] [--spec-max-batch N] [--first-token-share X]
 
 A config name may end in modes after `@`: `@adaptive` (dflash-b16k4@adaptive) is the same
 engine with --speculative-adaptive (its budget is the ceiling); its row records the budgets
@@ -109,6 +109,7 @@ def run_config(lm, name, a, prompts, levels) -> dict:
         compile=a.compile,
         fused_layers="off" if "nofused" in modes else "auto",
         spec_max_batch=a.spec_max_batch,
+        first_token_share=a.first_token_share,
         drafter={"kind": kind, "dflash_path": a.dflash_path if kind == "dflash" else None},
         params={"budget": budget, "topk": topk, "temperature": a.temperature},
     )
@@ -192,6 +193,7 @@ def main() -> None:
     ap.add_argument("--graphs", default="auto", choices=["auto", "on", "off"])
     ap.add_argument("--compile", default="auto", choices=["auto", "on", "off"])
     ap.add_argument("--spec-max-batch", type=int, default=None, help="engine.spec_max_batch")
+    ap.add_argument("--first-token-share", type=float, default=0.0, help="engine.first_token_share")
     ap.add_argument("--dflash-path", default=None, help="a trained DFlash drafter directory")
     ap.add_argument("--configs", default="ar,dflash-b3k1")
     ap.add_argument("--concurrency", default="1,4,16,64")

@@ -32,7 +32,6 @@ ENGINE_KNOBS = {
     "COMPILE_GLUE": "static_models",
     "SPEC_GLUE_COMPILED": "static_spec",
     "CAPTURE_STREAM_WARM_UP": "static",
-    "FIRST_TOKEN_SHARE": "rounds",
 }
 
 

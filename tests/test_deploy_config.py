@@ -45,6 +45,7 @@ def test_shipped_configs_validate():
     gpu = load_config(ROOT / "deploy" / "smollm2-gpu.yaml")
     assert gpu.engine.device == "cuda" and gpu.engine.num_scheduler_steps == 4
     assert gpu.engine.speculative_adaptive and gpu.engine.params.budget == 15
+    assert gpu.engine.first_token_share == 0.5
     assert gpu.max_ongoing_requests >= gpu.engine.max_batch  # Serve lets every slot fill
 
 

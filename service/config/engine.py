@@ -347,6 +347,14 @@ class EngineConfig(_Frozen):
         description="Decoding steps per host round trip of the builtin engine (vLLM's --num-scheduler-steps): without a drafter each step's token feeds the next on the device; with a DFlash drafter whose trees the GPU builds, that many draft + verify rounds run back to back with the accept on the device. The round's tokens come back in one copy, so the host's work of a step (reading it back, accepting, packing and launching the next) is paid once. The same tokens as one-step rounds; tokens arrive that many steps at a time, a request that ends inside them waits for the last ones, and one step is taken while prompts wait to join, for a request's first token and when a request asks for log-probs; a DFlash engine's budget-0 rounds (adaptive speculation at a large batch, --spec-max-batch) take that many plain steps. Other drafters take one round. On an H100 (SmolLM2, b15/k4, bench/NOTES.md twenty-eighth session): 4 steps made DDTree 1.19x at C=1 in-process, 1.15x / 1.22x at C=1 / 4 through `ddserve engine`, and AR 1.25x / 1.33x / 1.66x at C=1 / 16 / 64.",
         json_schema_extra={"flag": "--num-scheduler-steps"},
     )
+    first_token_share: float = Field(
+        0.0,
+        ge=0,
+        le=1,
+        allow_inf_nan=False,
+        description="With --num-scheduler-steps N > 1: a trip takes one step (not N) while the requests awaiting their first token are more than this share of its requests. 0 = any one of them: a newcomer's first token comes after one step, and every decoding request in that trip pays a host round trip for it. 0.5 = a few newcomers beside many decoding requests wait for the trip's N steps (their first token up to N - 1 rounds later) while a batch of mostly new requests still takes one step. Requests that end at different rounds (sampling, speculation) join one by one, so at 0 most trips of a busy engine take one step. On an H100 (SmolLM2, adaptive b15/k4, 4 steps, bench/NOTES.md twenty-ninth session) 0.5 made 1.08x / 1.05x the throughput of 0 at 16 / 64 concurrent requests (rounds a trip 2.2 -> 2.6, 1.4 -> 1.6) for a first token 1.1x / 1.3x later (p50).",
+        json_schema_extra={"flag": "--first-token-share"},
+    )
     decode_log_interval: int = Field(
         40,
         ge=0,

@@ -17,13 +17,6 @@ from ddserve.errors import EngineError
 
 log = logging.getLogger(__name__)
 
-# with several steps a trip (num_scheduler_steps): the trip takes one step while the requests
-# awaiting their first token are more than this share of its requests (0: any one of them,
-# whose first token then comes after one round, not N). Above 0 the requests already decoding
-# keep their N rounds while a few newcomers' first token waits for the trip (N rounds)
-# (benchmarks' switch: `bench.tuned` {"engine": {"FIRST_TOKEN_SHARE": 0.5}})
-FIRST_TOKEN_SHARE = 0.0
-
 
 class Rounds:
     """EngineRunner's rounds (a mixin: it reads the runner's engine, pacer, adaptive policy,
@@ -155,13 +148,14 @@ class Rounds:
         """Decoding steps (or DDTree rounds) this call takes (--num-scheduler-steps): one
         while a prompt waits to join (chunks go in between rounds), a request that may
         start waits for a slot's round, or requests yet to see their first token are more
-        than FIRST_TOKEN_SHARE of the round's (by default any: it comes after one step, not
-        N)."""
+        than --first-token-share of the round's (by default any: it comes after one step,
+        not N)."""
         n = self.config.num_scheduler_steps
         if n == 1 or joining or (self._pending and self._room() > 0):
             return 1
         newcomers = sum(1 for r in ready if not r.seq.output)
-        return 1 if newcomers and newcomers > FIRST_TOKEN_SHARE * len(ready) else n
+        share = self.config.first_token_share
+        return 1 if newcomers and newcomers > share * len(ready) else n
 
     def _prefill_done(self, chunk: list, pacing: tuple | None, joining: list) -> None:
         """After the round's step: wait for a chunk that ran beside it (its GPU time replaces

@@ -200,14 +200,12 @@ def test_runner_steps_once_a_round_while_prompts_wait(monkeypatch):
     assert four and max(told) < 0.6 * max(four)  # a step's time, not a 4-step round's
 
 
-def test_a_newcomer_beside_decoding_requests_takes_their_steps_above_the_share(monkeypatch):
-    """rounds.FIRST_TOKEN_SHARE 0.5: a request joining one that decodes is half the round's
+def test_a_newcomer_beside_decoding_requests_takes_their_steps_under_first_token_share():
+    """--first-token-share 0.5: a request joining one that decodes is half the round's
     requests, not more, so the trip keeps its four steps and the newcomer's first token comes
     with three more (by default one step: test above); its answer is still its answer alone."""
-    from ddserve.engine import rounds
-
-    monkeypatch.setattr(rounds, "FIRST_TOKEN_SHARE", 0.5)
     cfg = EngineConfig(
+        first_token_share=0.5,
         model="tiny-random",
         device="cpu",
         max_batch=4,
