@@ -2,8 +2,8 @@
 
     python -m ddserve.bench.speedup_report DIR [--base ar@steps4] [--served-base served-ar]
 
-Reads DIR/load.json (ddserve.bench.engine_load: every config at every level, in-process
-runner) and DIR/served-*.json (`ddserve bench` against `ddserve engine`, one file per engine
+Reads DIR/load*.json (ddserve.bench.engine_load: every config at every level, in-process
+runner; with several files a row is named FILE:CONFIG) and DIR/served-*.json (`ddserve bench` against `ddserve engine`, one file per engine
 config), divides each row's output tok/s by the base's at the same concurrency (--base for the
 in-process rows, --served-base for the served ones), prints one table, writes DIR/speedup.json
 and DIR/speedup.png (when matplotlib is present). Rows with errors say so; a ratio is only
@@ -20,16 +20,21 @@ from pathlib import Path
 
 def rows(out: Path, base: str, served_base: str) -> list[dict]:
     found: list[dict] = []
-    load = out / "load.json"
-    if load.exists():
-        for cfg in json.loads(load.read_text())["configs"]:
+    loads = sorted(out.glob("load*.json"))
+    for f in loads:  # a row's config named by its file too where there are several
+        for cfg in json.loads(f.read_text())["configs"]:
+            label = cfg["config"] if len(loads) == 1 else f"{f.stem}:{cfg['config']}"
             for lv in cfg["levels"]:
-                found.append({"path": "in-process", "config": cfg["config"], **_pick(lv)})
+                row = {"path": "in-process", "config": label, "base": cfg["config"]}
+                found.append({**row, **_pick(lv)})
     for f in sorted(out.glob("served-*.json")):
         for lv in json.loads(f.read_text())["levels"]:
             found.append({"path": "served", "config": f.stem, **_pick(lv)})
     bases = {("in-process", base), ("served", served_base)}
-    ref = {(r["path"], r["c"]): r for r in found if (r["path"], r["config"]) in bases}
+    ref: dict = {}
+    for r in found:  # the first of the base's rows at each level
+        if (r["path"], r.get("base", r["config"])) in bases:
+            ref.setdefault((r["path"], r["c"]), r)
     for r in found:
         b = ref.get((r["path"], r["c"]))
         clean = b is not None and not b["errors"] and not r["errors"]
@@ -59,14 +64,14 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     found = rows(a.out, a.base, a.served_base)
     if not found:
-        print(f"speedup_report: no load.json or served-*.json in {a.out}", file=sys.stderr)
+        print(f"speedup_report: no load*.json or served-*.json in {a.out}", file=sys.stderr)
         return 2
-    print(f"{'path':<11} {'config':<30} {'C':>3} {'tok/s':>9} {'ratio':>6} {'tau':>5} errors")
+    print(f"{'path':<11} {'config':<46} {'C':>3} {'tok/s':>9} {'ratio':>6} {'tau':>5} errors")
     for r in found:
         ratio = f"{r['ratio']:.2f}" if r["ratio"] is not None else "-"
         tau = f"{r['tau']:.2f}" if r["tau"] is not None else "-"
         print(
-            f"{r['path']:<11} {r['config']:<30} {r['c']:>3} {r['tok_s']:>9.1f} {ratio:>6} "
+            f"{r['path']:<11} {r['config']:<46} {r['c']:>3} {r['tok_s']:>9.1f} {ratio:>6} "
             f"{tau:>5} {r['errors']}/{r['requests']}"
         )
     report = {"base": a.base, "served_base": a.served_base, "rows": found}
