@@ -32,6 +32,7 @@ ENGINE_KNOBS = {
     "COMPILE_GLUE": "static_models",
     "SPEC_GLUE_COMPILED": "static_spec",
     "CAPTURE_STREAM_WARM_UP": "static",
+    "JOIN_BESIDE_TRIP": "rounds",
 }
 
 

@@ -13,9 +13,16 @@ import time
 
 from ddserve.config.engine import LiveParams
 from ddserve.engine.requests import EngineRequest, StepOutput
+from ddserve.engine.sequence import tokens_before
 from ddserve.errors import EngineError
 
 log = logging.getLogger(__name__)
+
+# an experiment, off (benchmarks' switch: `bench.tuned` {"engine": {"JOIN_BESIDE_TRIP":
+# true}}): joining prompts count as newcomers under --first-token-share, so a trip of several
+# steps keeps them while few prompts join (their chunk beside the trip's rounds on CUDA,
+# before them elsewhere) instead of taking one step for every join
+JOIN_BESIDE_TRIP = False
 
 
 class Rounds:
@@ -128,9 +135,14 @@ class Rounds:
             paths = [p for r, n in done if not isinstance(n, Exception) for p in r.seq.last_paths]
             self._adapt("record", rows, budget, step_s / self.engine.round_steps, paths)
         # past the shared forward each request's outcome is its own: a failure ends that
-        # request only, every other one gets this round's tokens (exactly once)
+        # request only (after the tokens its call's earlier rounds made), every other one
+        # gets this round's tokens (exactly once)
         for req, new in zip(ready, news, strict=True):
             if isinstance(new, Exception):
+                if before := tokens_before(new):  # not finished: the error follows
+                    stats = req.seq.stats
+                    stats.first_token_s = stats.first_token_s or time.perf_counter() - req.t0
+                    req.deliver(StepOutput(before, False, None, fingerprint, stats))
                 self._fail(req, new)
                 continue
             seq, st, since = req.seq, req.seq.stats, time.perf_counter() - req.t0
@@ -151,11 +163,11 @@ class Rounds:
         than --first-token-share of the round's (by default any: it comes after one step,
         not N)."""
         n = self.config.num_scheduler_steps
-        if n == 1 or joining or (self._pending and self._room() > 0):
+        if n == 1 or (joining and not JOIN_BESIDE_TRIP) or (self._pending and self._room() > 0):
             return 1
-        newcomers = sum(1 for r in ready if not r.seq.output)
+        newcomers = len(joining) + sum(1 for r in ready if not r.seq.output)
         share = self.config.first_token_share
-        return 1 if newcomers and newcomers > share * len(ready) else n
+        return 1 if newcomers and newcomers > share * (len(ready) + len(joining)) else n
 
     def _prefill_done(self, chunk: list, pacing: tuple | None, joining: list) -> None:
         """After the round's step: wait for a chunk that ran beside it (its GPU time replaces

@@ -9,8 +9,22 @@ import torch
 
 from ddserve.engine.sampling import Logprobs, RequestStats, SamplingParams
 
-# one sequence's result of a round: its new tokens, or the exception that ended it
+# one sequence's result of a round: its new tokens, or the exception that ended it; a call
+# of several rounds (num_scheduler_steps) that fails in a later round also commits the
+# earlier rounds' tokens, which the exception carries (`ended_after`, `tokens_before`) for
+# delivery before it, as one-round calls would have streamed them
 Outcome = list[int] | Exception
+
+
+def ended_after(exc: Exception, tokens: list[int]) -> Exception:
+    """`exc`, carrying the tokens its call committed before it (the runner delivers them)."""
+    exc.tokens_before = list(tokens)
+    return exc
+
+
+def tokens_before(exc: Exception) -> list[int]:
+    """The tokens a failed call committed before its failure (`ended_after`), else none."""
+    return getattr(exc, "tokens_before", [])
 
 
 @dataclass

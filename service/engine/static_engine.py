@@ -182,8 +182,8 @@ class StaticEngine(Prefill, Drafting, Accepting, Steps, SpecSteps):
         self.spec_graphs, self._spec = GraphCache(graphs, "spec"), {}
         self._feed = None  # budget-0 plain steps' feature-row indices (static_steps)
         self.spec_glue = spec_glue(compile)
-        # rounds: forward rounds; trips: calls of step_batch (host round trips, several
-        # rounds each with num_scheduler_steps)
+        # rounds: forward rounds; trips: calls of step_batch that ran them (host round trips,
+        # several rounds each with num_scheduler_steps)
         self.timing = {"rounds": 0, "trips": 0, "draft_s": 0.0, "tree_s": 0.0}
         self.timing.update(verify_s=0.0, accept_s=0.0)
 
@@ -279,7 +279,6 @@ class StaticEngine(Prefill, Drafting, Accepting, Steps, SpecSteps):
         tokens, or the exception that ended it (its commit did not happen; the others' did).
         Per-request stats: its share of the draft time, and the verify's wall time."""
         steps = self.scheduler_steps if steps is None else steps
-        self.timing["trips"] += 1
         if steps > 1 and all(seq.logprobs is None for seq in seqs):
             plain = self.sdraft is not None and self.block_depth(params.budget) <= 0
             if plain or isinstance(self.drafter, NoDrafter):  # one token a request a step
@@ -412,6 +411,7 @@ class StaticEngine(Prefill, Drafting, Accepting, Steps, SpecSteps):
         t4 = time.perf_counter()
         tm = self.timing
         tm["rounds"] += 1
+        tm["trips"] += 1
         tm["verify_s"] += t3 - t2
         tm["accept_s"] += t4 - t3 + t2 - t1
         for seq, new, size in zip(seqs, out, sizes, strict=True):

@@ -21,11 +21,12 @@ accept rule and draws as one-round rounds: lossless alike.
 What N rounds cost instead (as static_steps'): tokens arrive N rounds at a time; a request
 that ends inside them pays the rest (their tokens dropped, their entries past its end never
 read; the rounds are sized to the longest answer's token limit at its recent accept length);
-the runner takes one round while prompts wait or a request awaits its first token; requests
+the runner takes one round while prompts wait or a request awaits its first token (unless
+--first-token-share lets it wait for the trip); requests
 that want log-probs and trees built on the host take one round (budget-0 calls take plain
 steps: ddserve.engine.static_steps); the live parameters are read once for the N rounds. A
 round with non-finite logits (or no drawable distribution) before a request's stop ends it
-with nothing of the N committed."""
+after the rounds before it (their tokens committed and delivered before the error)."""
 
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ import torch
 
 from ddserve.config.engine import LiveParams
 from ddserve.engine.sampling import SampleGroup, sample_rows
-from ddserve.engine.sequence import Outcome, Sequence, truncate_at_stop
+from ddserve.engine.sequence import Outcome, Sequence, ended_after, truncate_at_stop
 from ddserve.engine.static_accept import NO_DISTRIBUTION, NON_FINITE
 from ddserve.engine.static_models import glue_compiled
 from ddserve.engine.tree import DeviceTrees, accept_device
@@ -117,6 +118,7 @@ class SpecSteps:
         self.round_steps = k
         tm = self.timing
         tm["rounds"] += k
+        tm["trips"] += 1
         tm["verify_s"] += t2 - t1
         tm["accept_s"] += t3 - t2
         for seq, new in zip(seqs, result, strict=True):
@@ -174,7 +176,8 @@ class SpecSteps:
             tokens += [*rows[r, RECORD : RECORD + n].tolist(), bonus]
             made.append(n + 1)
         new = truncate_at_stop(seq, tokens, self.eos_token_ids)
-        if bad is not None and not seq.finished:  # a round before its stop went wrong
+        failed = bad is not None and not seq.finished  # a round before its stop went wrong
+        if failed and not made:
             seq.finish_reason = "error"
             return EngineError(bad)
         used = int(np.searchsorted(np.cumsum(made), len(new))) + 1  # rounds it keeps tokens of
@@ -192,6 +195,9 @@ class SpecSteps:
         st.verify_rounds += used
         st.completion_tokens += len(new)
         st.accept_lengths.extend(kept)
+        if failed:  # it ends after the rounds before that one: their tokens delivered first
+            seq.finish_reason = "error"
+            return ended_after(EngineError(bad), new)
         return new
 
     def _spec_stage(self, b: int, w: int, slots: np.ndarray, starts: np.ndarray):

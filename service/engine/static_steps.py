@@ -15,11 +15,12 @@ step). What a round costs instead: a request's tokens arrive `steps` at a time, 
 whose answer ends inside a round pays the round's remaining steps (their tokens are
 dropped: `truncate_at_stop`; their cache entries lie past its length and are never read),
 and a request that arrives waits for the round in progress, so the runner runs one-step
-rounds while prompts wait and for a request's first token (ddserve.engine.rounds). Requests
+rounds while prompts wait and for a request's first token (unless --first-token-share lets it
+wait for the trip: ddserve.engine.rounds). Requests
 that want log-probs take one-step rounds (their log-probs come from each step's logits). A
-step with non-finite logits (or no drawable distribution) ends its request with none of the
-round's tokens, where one-step rounds would have streamed those before it: an error either
-way (a broken model's).
+step with non-finite logits (or no drawable distribution) ends its request after the steps
+before it: their tokens are committed and delivered before the error, as one-step rounds
+would have streamed them.
 
 An engine with a DFlash drafter takes these rounds at budget 0 too (adaptive speculation's
 choice at a large batch, or `spec_max_batch`): each step's tapped target outputs go into
@@ -35,7 +36,7 @@ import numpy as np
 import torch
 
 from ddserve.engine.sampling import SampleGroup, sample_rows
-from ddserve.engine.sequence import Outcome, Sequence, truncate_at_stop
+from ddserve.engine.sequence import Outcome, Sequence, ended_after, truncate_at_stop
 from ddserve.engine.static import next_bucket
 from ddserve.engine.static_accept import NO_DISTRIBUTION, NON_FINITE
 from ddserve.engine.static_models import pack_target
@@ -117,12 +118,10 @@ class Steps:
             bad = np.flatnonzero(host[: len(new), 1, s] == 0)
             if not seq.sampling.greedy:
                 bad = np.union1d(bad, np.flatnonzero(host[: len(new), 2, s] == 0))
-            if bad.size:  # a step that went wrong: the request ends, nothing of it committed
-                seq.finish_reason = "error"
-                result.append(
-                    EngineError(NON_FINITE if host[bad[0], 1, s] == 0 else NO_DISTRIBUTION)
-                )
-                continue
+            err = None
+            if bad.size:  # a step that went wrong: the request ends after the steps before it
+                err = EngineError(NON_FINITE if host[bad[0], 1, s] == 0 else NO_DISTRIBUTION)
+                new = new[: int(bad[0])]
             seq.last_paths = []
             seq.cache.length += len(new)  # the inputs of its kept steps
             if sd is not None:
@@ -134,9 +133,14 @@ class Steps:
             st.verify_rounds += len(new)
             st.completion_tokens += len(new)
             st.accept_lengths.extend([1] * len(new))
+            if err is not None:
+                seq.finish_reason = "error"
+                result.append(ended_after(err, new))
+                continue
             result.append(new)
         tm = self.timing
         tm["rounds"] += steps  # forward rounds (a call of several: as many)
+        tm["trips"] += 1
         tm["verify_s"] += t2 - t1
         tm["accept_s"] += time.perf_counter() - t2 + t1 - t0
         return result

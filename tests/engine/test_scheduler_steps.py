@@ -16,6 +16,7 @@ from ddserve.config.engine import EngineConfig, LiveParams
 from ddserve.engine.drafters import NoDrafter
 from ddserve.engine.runner import EngineRunner
 from ddserve.engine.sampling import SamplingParams
+from ddserve.engine.sequence import tokens_before
 from ddserve.engine.static_engine import StaticEngine
 from ddserve.engine.weights import random_llama, tiny_config
 from ddserve.errors import EngineError
@@ -134,6 +135,80 @@ def test_non_finite_logits_end_the_request_with_nothing_committed():
     assert seq.output == [] and seq.cache.length == length and seq.finish_reason == "error"
 
 
+def test_a_non_finite_step_after_others_ends_the_request_after_their_tokens():
+    """A round of four steps whose third has non-finite logits in one request's row: that
+    request ends with the first two steps' tokens committed (the reference's), which the
+    error carries for delivery before it; the request beside it gets its four."""
+    model = tiny_on("cpu")
+    eng = engine(model, 4)
+    sp = SamplingParams(max_tokens=20)
+    seqs = [eng.new_sequence(p, sp) for p in PROMPTS[:2]]
+    for seq in seqs:
+        eng.prefill(seq)
+    forward_next, calls, slot = eng.target.forward_next, [], seqs[0].cache.slot
+
+    def poisoned(*a):
+        logits, top, taps = forward_next(*a)
+        calls.append(1)
+        if len(calls) == 2:  # the round's third step (the first is a full forward)
+            top = top.clone()
+            top[1, slot] = 0
+        return logits, top, taps
+
+    eng.target.forward_next = poisoned
+    bad, good = eng.step_batch(seqs, AR)
+    assert isinstance(bad, EngineError) and "non-finite" in str(bad)
+    assert tokens_before(bad) == seqs[0].output and len(seqs[0].output) == 2
+    assert seqs[0].finish_reason == "error" and len(good) == 4
+    ref = ReferenceEngine(model, NoDrafter(), 6, ())
+    want = [ref.generate(p, sp, AR).output for p in PROMPTS[:2]]
+    assert seqs[0].output == want[0][:2] and good == want[1][:4]
+
+
+def test_the_runner_delivers_a_failed_rounds_earlier_tokens_before_its_error(monkeypatch):
+    """Through the runner (four steps a trip): a trip whose third step goes non-finite ends
+    the request with an error after the tokens before it, as one-step rounds stream them."""
+    cfg = EngineConfig(
+        model="tiny-random",
+        device="cpu",
+        max_batch=2,
+        num_scheduler_steps=4,
+        drafter={"kind": "none"},
+    )
+    runner = EngineRunner(cfg)
+    runner.start()
+    sp = SamplingParams(max_tokens=12, ignore_eos=True)
+
+    async def collect():
+        out = []
+        try:
+            async for step in runner.generate([1, 5, 9], sp):
+                out.append(step.token_ids)
+        except EngineError as exc:
+            return out, exc
+        return out, None
+
+    try:
+        alone, err = asyncio.run(collect())
+        assert err is None
+        forward_next, calls = runner.engine.target.forward_next, []
+
+        def poisoned(*a):
+            logits, top, taps = forward_next(*a)
+            calls.append(1)
+            if len(calls) == 2:  # the second trip's third step: its first trip takes one
+                top = top.clone()
+                top[1] = 0
+            return logits, top, taps
+
+        monkeypatch.setattr(runner.engine.target, "forward_next", poisoned)
+        chunks, err = asyncio.run(collect())
+    finally:
+        runner.shutdown()
+    assert isinstance(err, EngineError) and "non-finite" in str(err)
+    assert chunks == [alone[0], alone[1][:2]]  # the first token, then the trip's two
+
+
 def test_runner_steps_once_a_round_while_prompts_wait(monkeypatch):
     """Through the runner (num_scheduler_steps=4): concurrent requests get their answers alone;
     a round with prompts joining asks for one step, a round without them for four; every
@@ -243,3 +318,51 @@ def test_a_newcomer_beside_decoding_requests_takes_their_steps_under_first_token
     assert late == alone and len(late) == 10
     # alone: all of the round's requests are new (one step); the long one's first: alone too
     assert firsts[:2] == [1, 1] and firsts[2] == 4
+
+
+def test_a_prompt_joins_beside_a_trip_under_the_experiment_switch(monkeypatch):
+    """rounds.JOIN_BESIDE_TRIP with --first-token-share 0.5: a prompt joining a decoding
+    request is half of the round's requests, so neither the round its prompt goes in nor its
+    first token's takes one step (by default both do); its answer is its answer alone."""
+    from ddserve.engine import rounds
+
+    monkeypatch.setattr(rounds, "JOIN_BESIDE_TRIP", True)
+    cfg = EngineConfig(
+        first_token_share=0.5,
+        model="tiny-random",
+        device="cpu",
+        max_batch=4,
+        num_scheduler_steps=4,
+        drafter={"kind": "none"},
+        overlap_prefill="on",
+    )
+    runner = EngineRunner(cfg)
+    runner.start()
+    asked, step_batch = [], runner.engine.step_batch
+    monkeypatch.setattr(
+        runner.engine, "step_batch", lambda s, p, n=None: (asked.append(n), step_batch(s, p, n))[1]
+    )
+
+    async def one(p, n=10, running=None):
+        out = []
+        async for step in runner.generate(p, SamplingParams(max_tokens=n, ignore_eos=True)):
+            out += step.token_ids
+            if running is not None:
+                running.set()
+        return out
+
+    async def main():
+        alone = await one([1, 5, 9])
+        running = asyncio.Event()
+        long = asyncio.create_task(one([2, 3, 4], 400, running))
+        await running.wait()
+        late = await one([1, 5, 9])
+        await long
+        return alone, late
+
+    try:
+        alone, late = asyncio.run(main())
+    finally:
+        runner.shutdown()
+    assert late == alone and len(late) == 10
+    assert asked.count(1) == 2  # the first tokens of the two requests that came alone

@@ -15,6 +15,7 @@ import torch
 from ddserve.config.engine import LiveParams
 from ddserve.engine.dflash import DFlashDrafter
 from ddserve.engine.sampling import SamplingParams
+from ddserve.engine.sequence import tokens_before
 from ddserve.engine.static_engine import StaticEngine
 from ddserve.engine.tree import accept_batch, accept_device, ancestor_mask, build_tree_top
 from ddserve.engine.weights import random_llama, tiny_config
@@ -331,16 +332,24 @@ def test_round_times_time_one_round_a_call():
     assert times and eng.rounds_on_device == 0
 
 
-def test_runner_rounds_a_trip_serve_concurrent_requests_as_alone(tmp_path, monkeypatch):
+@pytest.mark.parametrize("share,beside", [(0.0, False), (0.5, True)])
+def test_runner_rounds_a_trip_serve_concurrent_requests_as_alone(
+    tmp_path, monkeypatch, share, beside
+):
     """Through the runner (num_scheduler_steps=4, a DFlash drafter, trees built by the
     kernel's host oracle as on a GPU): concurrent requests get their answers alone; calls
-    with prompts joining or a first token to make run one round, the others four."""
+    with prompts joining or a first token to make run one round, the others four. With
+    --first-token-share 0.5 and rounds.JOIN_BESIDE_TRIP, a prompt just in (or joining) runs
+    its first rounds inside a trip of the others' four: still its answer alone."""
     from ddserve.config.engine import EngineConfig
+    from ddserve.engine import rounds as rounds_mod
     from ddserve.engine.dflash import save_dflash
     from ddserve.engine.runner import EngineRunner
 
+    monkeypatch.setattr(rounds_mod, "JOIN_BESIDE_TRIP", beside)
     save_dflash(random_dflash(random_llama(tiny_config(), 0)), tmp_path / "dd")
     cfg = EngineConfig(
+        first_token_share=share,
         model="tiny-random",
         device="cpu",
         max_batch=4,
@@ -368,3 +377,41 @@ def test_runner_rounds_a_trip_serve_concurrent_requests_as_alone(tmp_path, monke
         runner.shutdown()
     assert together == alone and all(len(o) == 24 for o in together)
     assert 1 in asked and 4 in asked and rounds
+
+
+def test_a_non_finite_round_after_others_ends_the_request_after_their_tokens():
+    """A call of four rounds whose third has non-finite logits in one request's rows: that
+    request ends with the first two rounds' tokens committed (the reference's first tokens),
+    which the error carries for delivery before it; the request beside it is untouched."""
+    target, draft = models(8)
+    eng = engine(target, draft, 4)
+    ps, sp = prompts(8)[:2], SamplingParams(max_tokens=40)
+    seqs = [eng.new_sequence(p, sp) for p in ps]
+    for seq in seqs:
+        eng.prefill(seq)
+    replay, calls, slot = eng.target.replay, [], seqs[0].cache.slot
+
+    def poisoned(key):
+        logits, top, taps = replay(key)
+        calls.append(key)
+        if len(calls) == 3:  # the call's third round: the first request's rows not finite
+            w = key[2]
+            top = top.clone()
+            top[1, slot * w : (slot + 1) * w] = 0
+        return logits, top, taps
+
+    eng.target.replay = poisoned
+    params = LiveParams(budget=16, topk=4)
+    bad, good = eng.step_batch(seqs, params)
+    eng.target.replay = replay
+    assert eng.round_steps == 4 and len(calls) == 4
+    assert isinstance(bad, EngineError) and "non-finite" in str(bad)
+    assert tokens_before(bad) == seqs[0].output and len(seqs[0].output) >= 2
+    assert seqs[0].finish_reason == "error" and seqs[0].stats.verify_rounds == 2
+    eng.release(seqs[0])
+    while not seqs[1].finished:
+        (out,) = eng.step_batch([seqs[1]], params)
+        assert not isinstance(out, Exception)
+    ref = ReferenceEngine(target, ReferenceDFlash(draft, target), 6, ())
+    want = [ref.generate(p, sp, LiveParams(budget=0)).output for p in ps]
+    assert seqs[0].output == want[0][: len(seqs[0].output)] and seqs[1].output == want[1]
