@@ -32,7 +32,7 @@ bucket, on throw-away prompts, StaticEngine.round_times) gives every time a firs
 so a batch bucket met for the first time needs no rounds of its own to choose; gains come
 from live rounds only, so until a candidate's is known the largest such is drafted (at most
 twice at a batch size: its round teaches every smaller one's), and the ceiling drafts until
-every increment has seen GAIN_WARM requests (each is a plain mean over its first 50: at one
+every increment has seen GAIN_WARM requests (each is a plain mean over its first 200: at one
 request a round, a first sample that stood for ~50 rounds once kept the H200 at budget 3
 for half a C=1 level, 1.25x AR where b16 made 1.49x). Without a prior, at a new batch bucket every
 candidate runs twice first (the first round of a shape may pay
@@ -51,10 +51,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 ALPHA = 0.1  # weight of a round's time in its average
-GAIN_ALPHA = 0.02  # weight of one request's tokens in the gains (a round of n: 1 - 0.98**n)
+GAIN_ALPHA = 0.005  # weight of one request's tokens in the gains (a round of n: 1 - 0.995**n)
+# (~200 requests' memory: at a few requests a trip of 4 rounds, 0.02's ~50 let a run of
+# unlucky rounds settle the policy on a budget up to 8% slower; a workload that changes is
+# still followed within ~200 requests' rounds, a fraction of a second on a GPU)
 # ... or more while an increment has seen few requests: each of its first 1 / GAIN_ALPHA
 # counts alike (a plain mean), so one request's unlucky first round (1 token where 2.5 is
-# usual) does not stand for ~50 rounds; and until the ceiling's increments have seen
+# usual) does not stand for ~200 rounds; and until the ceiling's increments have seen
 # GAIN_WARM requests, rounds draft at the ceiling (it teaches every candidate's gain)
 GAIN_WARM = 16
 # a re-try's sample, whose estimate may be many rounds old: it replaces the time (rounds
