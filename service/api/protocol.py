@@ -6,7 +6,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from ddserve.config.engine import MAX_INT, MAX_TEMPERATURE, MIN_TEMPERATURE
+from ddserve.config.base import MAX_INT
+from ddserve.config.engine import MAX_TEMPERATURE, MIN_TEMPERATURE
 from ddserve.engine.sampling import MAX_ABS_BIAS, MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS
 
 MAX_COMPLETION_LOGPROBS = 5  # /v1/completions' logprobs=N, as OpenAI's

@@ -22,11 +22,12 @@ from pydantic import Field, model_validator
 
 from ddserve.config import api_key
 from ddserve.config.admin_token import DEFAULT_ENV, read_admin_token
-from ddserve.config.engine import EngineConfig, _Frozen, validate
+from ddserve.config.base import Frozen
+from ddserve.config.engine import EngineConfig, validate
 from ddserve.errors import ConfigError
 
 
-class Autoscaling(_Frozen):
+class Autoscaling(Frozen):
     min: int = Field(1, ge=1, description="Fewest replicas.")
     max: int = Field(2, ge=1, description="Most replicas.")
     target_ongoing_requests: float = Field(
@@ -58,7 +59,7 @@ class Autoscaling(_Frozen):
         return self
 
 
-class HTTPConfig(_Frozen):
+class HTTPConfig(Frozen):
     host: str = Field("127.0.0.1", description="Address of Serve's HTTP proxy.")
     port: int = Field(8000, ge=1, le=65535, description="Port of Serve's HTTP proxy.")
     ingress: Literal["proxy", "haproxy"] = Field(
@@ -67,7 +68,7 @@ class HTTPConfig(_Frozen):
     )
 
 
-class HealthConfig(_Frozen):
+class HealthConfig(Frozen):
     period_s: float = Field(
         10.0, gt=0, description="How often Serve runs each replica's health check."
     )
@@ -86,7 +87,7 @@ class HealthConfig(_Frozen):
     )
 
 
-class ServeConfig(_Frozen):
+class ServeConfig(Frozen):
     name: str = Field("ddserve", pattern=r"^[A-Za-z0-9_-]+$", description="Serve application name.")
     engine: EngineConfig = Field(default_factory=EngineConfig)
     replicas: int | Autoscaling = Field(1, description="A fixed count, or autoscaling bounds.")

@@ -9,25 +9,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import re
-from typing import Annotated, Literal
+from typing import Literal
 
-from pydantic import (
-    AfterValidator,
-    BaseModel,
-    ConfigDict,
-    Field,
-    ValidationError,
-    field_validator,
-    model_validator,
-)
+from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
 
-from ddserve.config.sglang_presets import (
-    PRESETS,
-    TREE_PARAMS,
-    UPSTREAM_WINDOW_FLAG,
-    DDTreeMapping,
-)
+from ddserve.config.base import Frozen, Text
+from ddserve.config.sglang import SGLangConfig
 from ddserve.errors import ConfigError
 
 MAX_BUDGET = 256
@@ -37,39 +24,7 @@ MAX_TEMPERATURE = 100.0
 MIN_TEMPERATURE = 1e-5  # 0 (greedy) or at least this: logits / T must stay finite in float32
 
 
-_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
-
-
-def _one_line(v: str) -> str:
-    if any(ord(c) < 0x20 or ord(c) == 0x7F for c in v):
-        raise ValueError("must not contain newlines or other control characters")
-    return v
-
-
-# A name, path or argument: it may end up in an EnvironmentFile or on a command line, where a
-# newline would start a new assignment (`x\nLD_PRELOAD=...`), so control characters are refused.
-Text = Annotated[str, AfterValidator(_one_line)]
-
-
-# the largest integer a config field holds (requests' limit too): what every process on the
-# wire (msgpack to the engine process, Serve's reconfigure) and the engine's int32 tensors take
-MAX_INT = (1 << 31) - 1
-
-
-class _Frozen(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    @field_validator("*")
-    @classmethod
-    def _int32(cls, v):
-        """Integers within 32 bits: a live top_k of 10^20 passed validation and took every
-        replica down at its reconfigure (msgpack's OverflowError)."""
-        if isinstance(v, int) and not isinstance(v, bool) and not -MAX_INT <= v <= MAX_INT:
-            raise ValueError(f"must be an integer of at most {MAX_INT} in size")
-        return v
-
-
-class LiveParams(_Frozen):
+class LiveParams(Frozen):
     """Parameters that can change between decoding rounds (the reconfig controller's fields)."""
 
     budget: int = Field(
@@ -107,7 +62,7 @@ class LiveParams(_Frozen):
         return v
 
 
-class DrafterConfig(_Frozen):
+class DrafterConfig(Frozen):
     """Which drafter proposes the per-depth distributions the tree is built from."""
 
     kind: Literal["ngram", "dflash", "draft-model", "layer-skip", "none"] = Field(
@@ -149,94 +104,7 @@ class DrafterConfig(_Frozen):
         return self
 
 
-class SGLangConfig(_Frozen):
-    """How to launch SGLang (engine kind `sglang`). SGLang cannot run on CPU machines.
-
-    The DDTree parameters reach SGLang as flags or variables named by `preset`
-    (ddserve.config.sglang_presets), or, without one, by `speculative_algorithm`,
-    `ddtree_flags` and `ddtree_env`."""
-
-    python: Text = Field("python3", description="Python interpreter that has sglang installed.")
-    draft_model_path: Text | None = Field(
-        None, description="DFlash drafter checkpoint (--speculative-draft-model-path)."
-    )
-    preset: Text | None = Field(
-        None,
-        description=f"Named DDTree flag set of an SGLang build: {', '.join(PRESETS)} (see ddserve.config.sglang_presets). Sets the algorithm, flags and variables; then leave speculative_algorithm, ddtree_flags and ddtree_env out.",
-    )
-    speculative_algorithm: Text = Field(
-        "DFLASH",
-        description="--speculative-algorithm (DFLASH in upstream 0.5.23); without a preset.",
-    )
-    block_size: int = Field(
-        16, ge=1, description="DFlash block size: --speculative-num-draft-tokens."
-    )
-    ddtree_flags: dict[Text, Text] = Field(
-        default_factory=lambda: {
-            "budget": "--speculative-ddtree-budget",
-            "topk": "--speculative-ddtree-topk",
-        },
-        description=f"Without a preset: flag names of budget/topk/window in your SGLang build (forks differ; upstream 0.5.23 has none for budget/topk). Empty = do not pass them; the window defaults to {UPSTREAM_WINDOW_FLAG}.",
-    )
-    ddtree_env: dict[Text, Text] = Field(
-        default_factory=dict,
-        description="Without a preset: budget/topk/window passed as environment variables of the SGLang process instead, e.g. {topk: SGLANG_DDTREE_MAX_TOPK}.",
-    )
-    mem_fraction_static: float | None = Field(None, gt=0, lt=1, description="--mem-fraction-static")
-    context_length: int | None = Field(None, ge=2, description="--context-length")
-    extra_args: list[Text] = Field(
-        default_factory=list, description="Appended verbatim to the launch command."
-    )
-    tokenizer_path: Text | None = Field(
-        None, description="Tokenizer for chat templates in the replica; default: the model path."
-    )
-
-    @model_validator(mode="after")
-    def _flags(self) -> SGLangConfig:
-        if self.preset is not None:
-            if self.preset not in PRESETS:
-                raise ValueError(
-                    f"preset={self.preset!r} is unknown; choose from {', '.join(PRESETS)}"
-                )
-            spelled = {
-                "speculative_algorithm",
-                "ddtree_flags",
-                "ddtree_env",
-            } & self.model_fields_set
-            if spelled:
-                raise ValueError(
-                    f"preset={self.preset} names the algorithm, flags and variables; drop {', '.join(sorted(spelled))} or drop the preset"
-                )
-        for name, mapping in (("ddtree_flags", self.ddtree_flags), ("ddtree_env", self.ddtree_env)):
-            unknown = set(mapping) - set(TREE_PARAMS)
-            if unknown:
-                raise ValueError(
-                    f"{name} keys {sorted(unknown)} are unknown; use {', '.join(TREE_PARAMS)}"
-                )
-        bad = [f for f in self.ddtree_flags.values() if not f.startswith("--")]
-        if bad:
-            raise ValueError(f"ddtree_flags values {bad} must be long flags starting with '--'")
-        bad = [v for v in self.ddtree_env.values() if not _ENV_NAME.fullmatch(v)]
-        if bad:
-            raise ValueError(f"ddtree_env values {bad} must be environment variable names")
-        both = set(self.ddtree_flags) & set(self.ddtree_env)
-        if both and "ddtree_flags" in self.model_fields_set:
-            raise ValueError(f"{sorted(both)} are in both ddtree_flags and ddtree_env; keep one")
-        return self
-
-    @property
-    def mapping(self) -> DDTreeMapping:
-        """The names this build takes budget/topk/window under (the preset's, or spelled out)."""
-        if self.preset is not None:
-            return PRESETS[self.preset]
-        # a parameter in ddtree_env is not also passed by the default ddtree_flags
-        flags = {k: v for k, v in self.ddtree_flags.items() if k not in self.ddtree_env}
-        if "window" not in flags and "window" not in self.ddtree_env:
-            flags["window"] = UPSTREAM_WINDOW_FLAG
-        return DDTreeMapping(self.speculative_algorithm, flags, dict(self.ddtree_env))
-
-
-class EngineConfig(_Frozen):
+class EngineConfig(Frozen):
     """Everything one engine process serves with."""
 
     kind: Literal["builtin", "sglang"] = Field(

@@ -8,8 +8,9 @@ import sys
 
 import pytest
 
+from ddserve.config.base import MAX_INT
 from ddserve.config.deploy import load_config
-from ddserve.config.engine import MAX_INT, EngineConfig, LiveParams
+from ddserve.config.engine import EngineConfig, LiveParams
 from ddserve.engine.build import build_engine
 from ddserve.errors import ConfigError
 from ddserve.reconfig.plan import desired_config, parse_assignments
