@@ -1,5 +1,5 @@
 """How long a replica's event loop is held while it applies its extra API processes'
-metrics (ddserve.serve.api_process.MetricsRelay), with Ray's real metrics (a local Ray).
+metrics (ddserve.serve.metrics_relay.MetricsRelay), with Ray's real metrics (a local Ray).
 
     python -m ddserve.bench.relay_stall [--observations 3000] [--slices 1000000,128]
 
@@ -49,15 +49,15 @@ def main() -> None:
     import ray
 
     ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
-    from ddserve.serve import api_process
-    from ddserve.serve.api_process import MetricsRelay
+    from ddserve.serve import metrics_relay
     from ddserve.serve.metrics import RayExporter
+    from ddserve.serve.metrics_relay import MetricsRelay
 
     exporter = RayExporter("bench")
     batch = [[1, "inter_token_latency_seconds", [], [0.002] * a.observations]]
     out = {}
     for s in (int(x) for x in a.slices.split(",")):
-        api_process.RELAY_SLICE = s
+        metrics_relay.RELAY_SLICE = s
         relay = MetricsRelay(exporter)
         worst = [asyncio.run(_one(relay, batch)) for _ in range(a.repeats)]
         out[s] = {"max_gap_ms": [round(w, 2) for w in worst]}

@@ -1,12 +1,12 @@
-"""An extra API process's metrics on their way to its replica (ddserve.serve.api_process):
+"""An extra API process's metrics on their way to its replica (ddserve.serve.metrics_relay):
 RelayExporter over a real pipe into MetricsRelay, with a recording exporter in place of
 Ray's (the Ray path itself: tests/serve/test_api_processes_ray.py)."""
 
 import asyncio
 import os
 
-from ddserve.serve import api_process
-from ddserve.serve.api_process import MetricsRelay, RelayExporter
+from ddserve.serve import metrics_relay
+from ddserve.serve.metrics_relay import MetricsRelay, RelayExporter
 
 
 class Recorder:
@@ -64,7 +64,7 @@ def test_every_count_and_observation_arrives_and_the_loop_turns_between_slices()
     assert not any(c[1] == "config_info" for c in rec.calls)
     # applied a slice at a time, the loop's other work running in between
     partial = {n for n in ticks if 0 < n < 1003}
-    assert len(partial) >= 1003 // api_process.RELAY_SLICE - 1, sorted(partial)
+    assert len(partial) >= 1003 // metrics_relay.RELAY_SLICE - 1, sorted(partial)
 
 
 def test_a_replica_that_does_not_read_never_blocks_the_sender():
