@@ -25,7 +25,8 @@ token for token is tests/engine/reference.py), over static state:
     path's rows (root + accepted nodes: the rows the emitted tokens were chosen at), only
     for requests that ask, one device->host copy per round for all of them
 
-Prefill and warm-up live in ddserve.engine.static_prefill, the draft step in
+Prefill lives in ddserve.engine.static_prefill, warm-up and round times in
+ddserve.engine.static_startup, the draft step in
 ddserve.engine.static_draft, the accept walk and the moves it implies in
 ddserve.engine.static_accept (mixins of StaticEngine); this module is the round itself.
 CUDA graphs only where CUDA is (`torch.compile` of the decoder layer when asked); on CPU the
@@ -78,6 +79,7 @@ from ddserve.engine.static_prefill import (
     fresh_chunks,
 )
 from ddserve.engine.static_spec import SpecSteps, spec_glue
+from ddserve.engine.static_startup import StartUp
 from ddserve.engine.static_steps import Steps
 from ddserve.engine.tree import DeviceTrees, ancestor_mask
 from ddserve.errors import EngineError
@@ -89,7 +91,7 @@ log = logging.getLogger(__name__)
 DRAFT_FUSED_LAYERS = False
 
 
-class StaticEngine(Prefill, Drafting, Accepting, Steps, SpecSteps):
+class StaticEngine(Prefill, StartUp, Drafting, Accepting, Steps, SpecSteps):
     """The algorithm over one target model and one drafter; no threads, no I/O. `slots`
     requests at a time, each up to `max_context` tokens; `graphs` applies only on CUDA,
     `compile` wherever asked (the runner asks on CUDA)."""
