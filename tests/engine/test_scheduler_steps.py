@@ -275,12 +275,16 @@ def test_runner_steps_once_a_round_while_prompts_wait(monkeypatch):
     assert four and max(told) < 0.6 * max(four)  # a step's time, not a 4-step round's
 
 
-def test_a_newcomer_beside_decoding_requests_takes_their_steps_under_first_token_share():
-    """--first-token-share 0.5: a request joining one that decodes is half the round's
-    requests, not more, so the trip keeps its four steps and the newcomer's first token comes
-    with three more (by default one step: test above); its answer is still its answer alone."""
+def late_joiner(monkeypatch, share: float, beside: bool = False):
+    """Through a runner (four steps a trip, --first-token-share `share`, rounds.
+    JOIN_BESIDE_TRIP `beside`): a request alone, then the same one joining a long decoding
+    request. Returns (its answer alone, joining, the three requests' first chunks' lengths,
+    the steps each step_batch call was asked for)."""
+    from ddserve.engine import rounds
+
+    monkeypatch.setattr(rounds, "JOIN_BESIDE_TRIP", beside)
     cfg = EngineConfig(
-        first_token_share=0.5,
+        first_token_share=share,
         model="tiny-random",
         device="cpu",
         max_batch=4,
@@ -290,7 +294,10 @@ def test_a_newcomer_beside_decoding_requests_takes_their_steps_under_first_token
     )
     runner = EngineRunner(cfg)
     runner.start()
-    firsts = []
+    firsts, asked, step_batch = [], [], runner.engine.step_batch
+    monkeypatch.setattr(
+        runner.engine, "step_batch", lambda s, p, n=None: (asked.append(n), step_batch(s, p, n))[1]
+    )
 
     async def one(p, n=10, running=None):
         out = []
@@ -315,54 +322,26 @@ def test_a_newcomer_beside_decoding_requests_takes_their_steps_under_first_token
         alone, late = asyncio.run(main())
     finally:
         runner.shutdown()
+    return alone, late, firsts, asked
+
+
+def test_a_newcomer_beside_decoding_requests_takes_their_steps_under_first_token_share(
+    monkeypatch,
+):
+    """--first-token-share 0.5: a request joining one that decodes is half the round's
+    requests, not more, so the trip keeps its four steps and the newcomer's first token comes
+    with three more (by default one step: test above); its answer is still its answer alone."""
+    alone, late, firsts, asked = late_joiner(monkeypatch, 0.5)
     assert late == alone and len(late) == 10
     # alone: all of the round's requests are new (one step); the long one's first: alone too
-    assert firsts[:2] == [1, 1] and firsts[2] == 4
+    assert firsts == [1, 1, 4]
+    assert asked.count(1) == 3  # and the round the joining prompt went in
 
 
 def test_a_prompt_joins_beside_a_trip_under_the_experiment_switch(monkeypatch):
     """rounds.JOIN_BESIDE_TRIP with --first-token-share 0.5: a prompt joining a decoding
     request is half of the round's requests, so neither the round its prompt goes in nor its
     first token's takes one step (by default both do); its answer is its answer alone."""
-    from ddserve.engine import rounds
-
-    monkeypatch.setattr(rounds, "JOIN_BESIDE_TRIP", True)
-    cfg = EngineConfig(
-        first_token_share=0.5,
-        model="tiny-random",
-        device="cpu",
-        max_batch=4,
-        num_scheduler_steps=4,
-        drafter={"kind": "none"},
-        overlap_prefill="on",
-    )
-    runner = EngineRunner(cfg)
-    runner.start()
-    asked, step_batch = [], runner.engine.step_batch
-    monkeypatch.setattr(
-        runner.engine, "step_batch", lambda s, p, n=None: (asked.append(n), step_batch(s, p, n))[1]
-    )
-
-    async def one(p, n=10, running=None):
-        out = []
-        async for step in runner.generate(p, SamplingParams(max_tokens=n, ignore_eos=True)):
-            out += step.token_ids
-            if running is not None:
-                running.set()
-        return out
-
-    async def main():
-        alone = await one([1, 5, 9])
-        running = asyncio.Event()
-        long = asyncio.create_task(one([2, 3, 4], 400, running))
-        await running.wait()
-        late = await one([1, 5, 9])
-        await long
-        return alone, late
-
-    try:
-        alone, late = asyncio.run(main())
-    finally:
-        runner.shutdown()
-    assert late == alone and len(late) == 10
+    alone, late, firsts, asked = late_joiner(monkeypatch, 0.5, beside=True)
+    assert late == alone and len(late) == 10 and firsts == [1, 1, 4]
     assert asked.count(1) == 2  # the first tokens of the two requests that came alone
