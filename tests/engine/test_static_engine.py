@@ -821,8 +821,11 @@ def test_a_wait_behind_older_prompts_counts_as_queue_time():
         return last.stats
 
     async def main():
-        running = asyncio.create_task(collect([1, 5, 6], 300))  # decoding: a paced budget
+        running = asyncio.create_task(collect([1, 5, 6], 1500))  # decoding: a paced budget
         await asyncio.sleep(0.3)
+        # (an engine idle when they come prefills both whole, together: CI once finished
+        # 300 tokens in those 0.3 s)
+        assert not running.done()
         older = asyncio.create_task(collect([1] + [7] * 1500, 2))
         younger = asyncio.create_task(collect([1] + [9] * 1500, 2))
         out = await older, await younger
