@@ -286,6 +286,10 @@ class EngineConfig(Frozen):
             payload["spec_max_batch"] = self.spec_max_batch
         if self.stream_interval != 1:
             payload["stream_interval"] = self.stream_interval
+        if self.num_scheduler_steps != 1:
+            payload["num_scheduler_steps"] = self.num_scheduler_steps
+        if self.first_token_share:
+            payload["first_token_share"] = self.first_token_share
         digest = hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
         return "fp_" + digest[:10]
 
