@@ -209,6 +209,19 @@ def test_the_runner_delivers_a_failed_rounds_earlier_tokens_before_its_error(mon
     assert chunks == [alone[0], alone[1][:2]]  # the first token, then the trip's two
 
 
+async def answer(runner, prompt, n, firsts, running=None) -> list[int]:
+    """A request's `n` tokens through `runner` (ignore_eos): its first chunk's length goes
+    into `firsts`; `running` (an event) is set at each chunk."""
+    out = []
+    async for step in runner.generate(prompt, SamplingParams(max_tokens=n, ignore_eos=True)):
+        if not out:
+            firsts.append(len(step.token_ids))
+        out += step.token_ids
+        if running is not None:
+            running.set()
+    return out
+
+
 def test_runner_steps_once_a_round_while_prompts_wait(monkeypatch):
     """Through the runner (num_scheduler_steps=4): concurrent requests get their answers alone;
     a round with prompts joining asks for one step, a round without them for four; every
@@ -242,15 +255,8 @@ def test_runner_steps_once_a_round_while_prompts_wait(monkeypatch):
         monkeypatch.setattr(runner.pacer, "stepped", lambda s: (told.append(s), stepped(s))[1])
         firsts = []
 
-        async def one(p, n=10, running=None):
-            out = []
-            async for step in runner.generate(p, SamplingParams(max_tokens=n, ignore_eos=True)):
-                if not out:
-                    firsts.append(len(step.token_ids))
-                out += step.token_ids
-                if running is not None:
-                    running.set()
-            return out
+        def one(p, n=10, running=None):
+            return answer(runner, p, n, firsts, running)
 
         async def main():
             together = await asyncio.gather(*(one([1, 5 + i, 9]) for i in range(6)))
@@ -299,15 +305,8 @@ def late_joiner(monkeypatch, share: float, beside: bool = False):
         runner.engine, "step_batch", lambda s, p, n=None: (asked.append(n), step_batch(s, p, n))[1]
     )
 
-    async def one(p, n=10, running=None):
-        out = []
-        async for step in runner.generate(p, SamplingParams(max_tokens=n, ignore_eos=True)):
-            if not out:
-                firsts.append(len(step.token_ids))
-            out += step.token_ids
-            if running is not None:
-                running.set()
-        return out
+    def one(p, n=10, running=None):
+        return answer(runner, p, n, firsts, running)
 
     async def main():
         alone = await one([1, 5, 9])
