@@ -8,11 +8,17 @@
 #   ray     `ddserve up` (Serve, one replica; http.ingress proxy and haproxy) + `ddserve bench`
 #   ray-asc   `ddserve up` with the HAProxy ingress and `api_server_count: $API_SERVERS` (4):
 #             the replica's API processes over its one engine core
+#   http-deploy  `ddserve engine --config $DEPLOY` (default deploy/smollm2-gpu.yaml: the
+#             shipped GPU config, adaptive speculation, rounds a trip), budgets of $BUDGETS
+#             set through /admin/params (with adaptive speculation: its ceiling)
+#   ray-deploy   `ddserve up --config $DEPLOY`, budgets through `ddserve reconfig set`
 # AR is the same engine with budget 0 (`/admin/params`, `ddserve reconfig set`), so every
 # path runs the same weights and graphs.
 #
 #   bench/serving_path.sh OUT [inproc] [http] [http-asc] [http-ref] [ray-proxy] [ray-haproxy] [ray-asc]
-# env: PY (python), LEVELS (1,16,64,128), REQ (requests per level, at least 2C is used),
+#                             [http-deploy] [ray-deploy]
+# env: PY (python), LEVELS (1,16,64,128), REQ (requests per level, at least WAVES x C is used;
+#      WAVES: 2),
 #      DEVICE (cuda), MAXB (KV slots: the largest level), PROMPTS (mixed),
 #      BUDGETS ("16 0": DDTree b16/k4, then AR; "0": AR only),
 #      REF_PYTHONPATH (http-ref: `ddserve engine` from another checkout's import root, e.g. the
@@ -30,13 +36,15 @@ maxb=${MAXB:-128}
 prompts=${PROMPTS:-mixed}
 tokens=${TOKENS:-128}
 budgets=${BUDGETS:-16 0}
+waves=${WAVES:-2}
+deploy=${DEPLOY:-deploy/smollm2-gpu.yaml}
 export DDSERVE_ADMIN_TOKEN=${DDSERVE_ADMIN_TOKEN:-serving-path-bench}
 mkdir -p "$out"
 
-bench_levels() {  # URL OUTDIR: one `ddserve bench` per level, max(REQ, 2C) requests each (as
-    # engine_load counts them), so every path measures the same number of requests per level
+bench_levels() {  # URL OUTDIR: one `ddserve bench` per level, max(REQ, WAVES x C) requests
+    # each (as engine_load counts them), so every path measures the same number per level
     for c in ${levels//,/ }; do
-        n=$((2 * c > req ? 2 * c : req))
+        n=$((waves * c > req ? waves * c : req))
         $py -m ddserve bench --url "$1" --out "$2-C$c" --concurrency "$c" --requests "$n" \
             --max-tokens "$tokens" --prompts "$prompts" --no-progress | grep -E "^ +$c "
         # the server's own histograms after the level (cumulative: TTFT seen by the API
@@ -56,14 +64,14 @@ for part in $parts; do
             --spec-max-batch 2 --concurrency "$levels" --requests "$req" --max-tokens "$tokens" \
             --prompt-set "$prompts" --name inproc --out "$out"
         ;;
-    http | http-ref | http-asc)
+    http | http-ref | http-asc | http-deploy)
         port=30111
         pp=${PYTHONPATH:-}
         [ $part = http-ref ] && pp=${REF_PYTHONPATH:?http-ref needs REF_PYTHONPATH}:$pp
-        asc=()
-        [ $part = http-asc ] && asc=(--api-server-count "${API_SERVERS:-4}")
-        PYTHONPATH=$pp $py -m ddserve engine --port $port --device "$device" --drafter dflash \
-            --budget 16 --topk 4 --max-batch "$maxb" --spec-max-batch 2 "${asc[@]}" >"$out/$part-engine.log" 2>&1 &
+        flags=(--device "$device" --drafter dflash --budget 16 --topk 4 --max-batch "$maxb" --spec-max-batch 2)
+        [ $part = http-asc ] && flags+=(--api-server-count "${API_SERVERS:-4}")
+        [ $part = http-deploy ] && flags=(--config "$deploy")
+        PYTHONPATH=$pp $py -m ddserve engine --port $port "${flags[@]}" >"$out/$part-engine.log" 2>&1 &
         pid=$!
         if wait_url "http://127.0.0.1:$port" "$pid"; then
             echo "$part: engine ready after ${SECONDS}s"
@@ -82,12 +90,13 @@ PY
         fi
         kill $pid; wait $pid 2>/dev/null
         ;;
-    ray-proxy | ray-haproxy | ray-asc)
+    ray-proxy | ray-haproxy | ray-asc | ray-deploy)
         ingress=${part#ray-}
         apis=1
         [ $part = ray-asc ] && ingress=haproxy apis=${API_SERVERS:-4}
         cfg="$out/$part.yaml"
-        cat >"$cfg" <<EOF
+        [ $part = ray-deploy ] && cp "$deploy" "$cfg"
+        [ $part = ray-deploy ] || cat >"$cfg" <<EOF
 name: bench
 engine:
   kind: builtin

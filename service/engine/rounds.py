@@ -21,7 +21,9 @@ log = logging.getLogger(__name__)
 # an experiment, off (benchmarks' switch: `bench.tuned` {"engine": {"JOIN_BESIDE_TRIP":
 # true}}): joining prompts count as newcomers under --first-token-share, so a trip of several
 # steps keeps them while few prompts join (their chunk beside the trip's rounds on CUDA,
-# before them elsewhere) instead of taking one step for every join
+# before them elsewhere) instead of taking one step for every join. It lost on an H100
+# (bench/NOTES.md, thirtieth session): more rounds a trip, but at 64 requests 0.79x the
+# throughput and 8x the first token's wait of the default
 JOIN_BESIDE_TRIP = False
 
 
