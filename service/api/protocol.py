@@ -74,18 +74,14 @@ def _null_is_default(cls, v, info):
     return cls.model_fields[info.field_name].default if v is None else v
 
 
-def _an_integer(v):
-    """A count given as true/false is a client's mistake, not 1/0 (pydantic would take it)."""
-    if isinstance(v, bool):
-        raise ValueError("an integer here, not true/false")
-    return v
-
-
 class _Body(BaseModel):
     # unknown fields that cannot change the answer (user, metadata, store, ...) are accepted
     # and ignored; the OpenAI parameters that would change it and the engine does not do are
-    # refused by name (Sampling, REFUSED)
-    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+    # refused by name (Sampling, REFUSED). Types as OpenAI's API checks them (strict): a
+    # count is a JSON integer (not "8", 8.0 or true), a flag a JSON boolean (not "yes" or 1),
+    # a number not a string (an integer is a number); pydantic's lax coercion took
+    # `"stream": "yes"` as true and `"max_tokens": "8"` as 8
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False, strict=True)
 
 
 def _temperature_floor(v: float | None) -> float | None:
@@ -172,7 +168,6 @@ class Sampling(_Body):
     suffix: str | None = Field(None, description="Refused unless empty.")
 
     _temperature = field_validator("temperature")(_temperature_floor)
-    _stream_interval = field_validator("stream_interval", mode="before")(_an_integer)
     _refused = field_validator(*REFUSED)(_refuse_unsupported)
     _logit_bias = field_validator("logit_bias")(_check_logit_bias)
     _stop = field_validator("stop")(_check_stop)
@@ -384,7 +379,6 @@ class NativeSampling(_Body):
     stream_interval: int | None = Field(None, ge=1, le=1024, description=STREAM_INTERVAL)
 
     _temperature = field_validator("temperature")(_temperature_floor)
-    _stream_interval = field_validator("stream_interval", mode="before")(_an_integer)
     _stop = field_validator("stop")(_check_stop)
     _stop_ids = field_validator("stop_token_ids")(lambda v: v if v is None else _token_ids(v))
 

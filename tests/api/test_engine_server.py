@@ -188,6 +188,32 @@ def test_seeded_sampling_is_reproducible(client):
             400,
             "messages.0.content",
         ),
+        # types as OpenAI's API checks them: pydantic's lax coercion took these as 8 and true
+        (
+            {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": "8"},
+            400,
+            "max_tokens",
+        ),
+        (
+            {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 8.0},
+            400,
+            "max_tokens",
+        ),
+        (
+            {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "stream": "yes"},
+            400,
+            "stream",
+        ),
+        (
+            {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "temperature": "0.5"},
+            400,
+            "temperature",
+        ),
+        (
+            {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "seed": True},
+            400,
+            "seed",
+        ),
     ],
 )
 def test_bad_requests_get_openai_errors(engine_server, body, status, param):
