@@ -1,4 +1,5 @@
-"""Request bodies of the OpenAI-compatible and native (SGLang-style) endpoints."""
+"""Request bodies of the OpenAI-compatible and native (SGLang-style) endpoints; the checks
+of single values they share: ddserve.api.fields."""
 
 from __future__ import annotations
 
@@ -6,25 +7,33 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from ddserve.api.fields import (
+    MAX_SEED,
+    MAX_STOP,
+    MIN_SEED,
+    REFUSED,
+    check_logit_bias,
+    check_stop,
+    null_is_default,
+    refuse_unsupported,
+    temperature_floor,
+    token_ids,
+    unicode_text,
+)
 from ddserve.config.base import MAX_INT
 from ddserve.config.engine import MAX_TEMPERATURE, MIN_TEMPERATURE
-from ddserve.engine.sampling import MAX_ABS_BIAS, MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS
+from ddserve.engine.sampling import MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS
 
 MAX_COMPLETION_LOGPROBS = 5  # /v1/completions' logprobs=N, as OpenAI's
 
-# what torch.Generator.manual_seed takes (a negative seed counts modulo 2**64, as in torch)
-MIN_SEED, MAX_SEED = -(1 << 63), (1 << 64) - 1
 TEMPERATURE = (
     f"Sampling temperature: 0 = greedy, else in [{MIN_TEMPERATURE:g}, {MAX_TEMPERATURE:g}]; "
     "below the floor logits / T overflows float32, so such values are refused."
 )
 SEED = f"Seed of the request's sampler, in [{MIN_SEED}, {MAX_SEED}]; none: a fresh one."
-# MAX_INT (ddserve.config.engine): the largest integer a count or token id may take (what the
+# MAX_INT (ddserve.config.base): the largest integer a count or token id may take (what the
 # engine's wire, msgpack, and its int32/int64 tensors carry without overflow: larger values
 # are a client's mistake, a 400)
-# stop strings of one request at most (OpenAI takes 4; vLLM and SGLang set no bound, but each is
-# matched against every chunk of text the request streams, in the API process)
-MAX_STOP = 256
 # prompts in one /v1/completions request at most: each is an engine request of its own (and
 # counts against --max-requests)
 MAX_PROMPTS = 64
@@ -37,43 +46,6 @@ STREAM_INTERVAL = (
 )
 
 
-def _unicode(text: str) -> str:
-    """Text that UTF-8 can carry: JSON's \\uD800-\\uDFFF escapes decode to lone surrogates,
-    which no tokenizer encodes (and the wire to the engine refuses)."""
-    if not text.isascii():
-        try:
-            text.encode("utf-8")
-        except UnicodeEncodeError as exc:
-            raise ValueError(
-                f"not valid Unicode: a lone surrogate (U+{ord(text[exc.start]):04X}) at "
-                f"character {exc.start}"
-            ) from None
-    return text
-
-
-def _token_ids(ids: list[int]) -> list[int]:
-    """Token ids that fit the wire (ids past the model's vocabulary are refused by the
-    engine, which knows its size)."""
-    for t in ids:
-        if not 0 <= t <= MAX_INT:
-            raise ValueError(f"token ids are integers in [0, {MAX_INT}]; {t} is not one")
-    return ids
-
-
-def _check_stop(v: str | list[str] | None) -> str | list[str] | None:
-    stops = [v] if isinstance(v, str) else v or []
-    if len(stops) > MAX_STOP:
-        raise ValueError(f"{len(stops)} stop strings; at most {MAX_STOP} are accepted")
-    for text in stops:
-        _unicode(text)
-    return v
-
-
-def _null_is_default(cls, v, info):
-    """An explicit null takes the field's default, as OpenAI's API does for n, stream, echo."""
-    return cls.model_fields[info.field_name].default if v is None else v
-
-
 class _Body(BaseModel):
     # unknown fields that cannot change the answer (user, metadata, store, ...) are accepted
     # and ignored; the OpenAI parameters that would change it and the engine does not do are
@@ -82,55 +54,6 @@ class _Body(BaseModel):
     # a number not a string (an integer is a number); pydantic's lax coercion took
     # `"stream": "yes"` as true and `"max_tokens": "8"` as 8
     model_config = ConfigDict(extra="allow", allow_inf_nan=False, strict=True)
-
-
-def _temperature_floor(v: float | None) -> float | None:
-    if v is not None and 0.0 < v < MIN_TEMPERATURE:
-        raise ValueError(f"must be 0 (greedy) or at least {MIN_TEMPERATURE:g}")
-    return v
-
-
-# OpenAI parameters the engine does not honour: refused with a 400 that names them unless the
-# value is one that changes nothing (never silently ignored). name -> (no-op values, why)
-REFUSED: dict[str, tuple[tuple, str]] = {
-    "frequency_penalty": ((None, 0, 0.0), "penalties would change the target distribution"),
-    "presence_penalty": ((None, 0, 0.0), "penalties would change the target distribution"),
-    "repetition_penalty": ((None, 1, 1.0), "penalties would change the target distribution"),
-    "tools": ((None, []), "tool calling needs a model with a tool template"),
-    "tool_choice": ((None, "none"), "tool calling needs a model with a tool template"),
-    "functions": ((None, []), "tool calling needs a model with a tool template"),
-    "function_call": ((None, "none"), "tool calling needs a model with a tool template"),
-    "response_format": (
-        (None, {"type": "text"}),
-        "structured output (json_object, json_schema) is not enforced",
-    ),
-    "best_of": ((None, 1), "one sequence per request"),
-    "suffix": ((None, ""), "insertion (suffix) is not supported"),
-}
-
-
-def _check_logit_bias(v: dict | None) -> dict | None:
-    """{token id as a decimal string: bias in [-100, 100]}, at most MAX_LOGIT_BIAS entries
-    (ids beyond the vocabulary are refused by the engine, which knows its size)."""
-    if not v:
-        return v
-    if len(v) > MAX_LOGIT_BIAS:
-        raise ValueError(f"{len(v)} entries; at most {MAX_LOGIT_BIAS} are accepted")
-    for key, bias in v.items():
-        if not (key.isascii() and key.isdigit() and int(key) < 1 << 31):
-            raise ValueError(f"keys are token ids (non-negative integers); {key!r} is not one")
-        if not -MAX_ABS_BIAS <= bias <= MAX_ABS_BIAS:
-            raise ValueError(
-                f"the bias of token {key} is {bias:g}; it must be in [{-MAX_ABS_BIAS:g}, {MAX_ABS_BIAS:g}]"
-            )
-    return v
-
-
-def _refuse_unsupported(v, info):
-    noop, why = REFUSED[info.field_name]
-    if v not in noop:
-        raise ValueError(f"not supported: {why}")
-    return v
 
 
 class Sampling(_Body):
@@ -167,12 +90,12 @@ class Sampling(_Body):
     best_of: int | None = Field(None, description="Refused unless 1.")
     suffix: str | None = Field(None, description="Refused unless empty.")
 
-    _temperature = field_validator("temperature")(_temperature_floor)
-    _refused = field_validator(*REFUSED)(_refuse_unsupported)
-    _logit_bias = field_validator("logit_bias")(_check_logit_bias)
-    _stop = field_validator("stop")(_check_stop)
+    _temperature = field_validator("temperature")(temperature_floor)
+    _refused = field_validator(*REFUSED)(refuse_unsupported)
+    _logit_bias = field_validator("logit_bias")(check_logit_bias)
+    _stop = field_validator("stop")(check_stop)
     _null = field_validator("n", "stream", "ignore_eos", mode="before")(
-        classmethod(_null_is_default)
+        classmethod(null_is_default)
     )
 
     @field_validator("stream_options")
@@ -205,7 +128,7 @@ class ContentPart(_Body):
     type: Literal["text"]
     text: str
 
-    _text = field_validator("text")(_unicode)
+    _text = field_validator("text")(unicode_text)
 
 
 class Message(_Body):
@@ -229,7 +152,7 @@ class Message(_Body):
     @field_validator("content")
     @classmethod
     def _content(cls, v):
-        return _unicode(v) if isinstance(v, str) else v
+        return unicode_text(v) if isinstance(v, str) else v
 
     @property
     def text(self) -> str:
@@ -300,7 +223,7 @@ class CompletionRequest(Sampling):
     top_logprobs: int | None = Field(None, description="Chat only: use logprobs=N here.")
 
     _null_defaults = field_validator("echo", "max_tokens", mode="before")(
-        classmethod(_null_is_default)
+        classmethod(null_is_default)
     )
 
     @field_validator("logprobs", mode="before")
@@ -337,13 +260,13 @@ class CompletionRequest(Sampling):
             all(isinstance(x, str) for x in v) or all(ids(x) for x in v)
         )
         if isinstance(v, str):
-            return _unicode(v)
+            return unicode_text(v)
         if ids(v) or listed:
             for x in [v] if ids(v) else v:
                 if isinstance(x, str):
-                    _unicode(x)
+                    unicode_text(x)
                 else:
-                    _token_ids(x)
+                    token_ids(x)
             return v
         raise ValueError(
             "must be a string, a list of strings, a list of token ids or a list of token-id lists"
@@ -378,9 +301,9 @@ class NativeSampling(_Body):
     seed: int | None = Field(None, ge=MIN_SEED, le=MAX_SEED, description=SEED)
     stream_interval: int | None = Field(None, ge=1, le=1024, description=STREAM_INTERVAL)
 
-    _temperature = field_validator("temperature")(_temperature_floor)
-    _stop = field_validator("stop")(_check_stop)
-    _stop_ids = field_validator("stop_token_ids")(lambda v: v if v is None else _token_ids(v))
+    _temperature = field_validator("temperature")(temperature_floor)
+    _stop = field_validator("stop")(check_stop)
+    _stop_ids = field_validator("stop_token_ids")(lambda v: v if v is None else token_ids(v))
 
     @model_validator(mode="after")
     def _refused(self) -> NativeSampling:
@@ -422,9 +345,9 @@ class GenerateRequest(_Body):
     sampling_params: NativeSampling = Field(default_factory=NativeSampling)
     stream: bool = False
 
-    _text = field_validator("text")(lambda v: v if v is None else _unicode(v))
-    _ids = field_validator("input_ids")(lambda v: v if v is None else _token_ids(v))
-    _null = field_validator("stream", mode="before")(classmethod(_null_is_default))
+    _text = field_validator("text")(lambda v: v if v is None else unicode_text(v))
+    _ids = field_validator("input_ids")(lambda v: v if v is None else token_ids(v))
+    _null = field_validator("stream", mode="before")(classmethod(null_is_default))
 
     @model_validator(mode="after")
     def _one_input(self) -> GenerateRequest:
