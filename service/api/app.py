@@ -7,7 +7,7 @@
   GET  /health                a real one-token generation (SGLang's /health_generate)
   GET  /server_info           effective config, fingerprint, load, totals
   POST /admin/params          change live parameters; answers once they are in force
-  GET  /metrics               Prometheus metrics (ddserve.api.observability), when this app
+  GET  /metrics               Prometheus metrics (ddserve.api.prometheus), when this app
                               meters its own backend (the engine server; not a Ray replica)
 
 Errors: `ddserve.errors.openai_error_body` is the only mapping to HTTP. Before a stream's
@@ -37,11 +37,11 @@ from ddserve.api.limits import BodySizeLimit, ServerLimits
 from ddserve.api.observability import (
     AccessLog,
     MeteredBackend,
-    PrometheusExporter,
     StatsLog,
     drafter_depth,
     engine_load,
 )
+from ddserve.api.prometheus import PrometheusExporter
 from ddserve.api.served import Served
 from ddserve.errors import DDServeError, InvalidRequest
 

@@ -9,7 +9,7 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.responses import Response
 
 from ddserve.api.http_errors import ERRORS, error_response
-from ddserve.api.observability import PrometheusExporter
+from ddserve.api.prometheus import PrometheusExporter
 from ddserve.api.protocol import AdminParams
 from ddserve.api.served import Served
 from ddserve.errors import (

@@ -94,7 +94,7 @@ async def serve_first(spec: ApiServer, config: EngineConfig, sock: socket.socket
     the extra API processes once it is ready, then serve HTTP. Returns non-zero when the
     core or an extra process died under it (a supervisor restarts the whole server)."""
     from ddserve.api.app import freeze_startup_heap
-    from ddserve.api.observability import MULTIPROC_ENV
+    from ddserve.api.prometheus import MULTIPROC_ENV
     from ddserve.backends.core import CoreBackend
     from ddserve.engine.weights import load_tokenizer
 

@@ -177,7 +177,7 @@ class EngineRunner(Rounds):
         return {"running": len(self._active), "waiting": len(self._pending)}
 
     def load_gauges(self) -> dict:
-        """The engine's load in the metric names of ddserve.api.observability.LOAD_GAUGES."""
+        """The engine's load in the metric names of ddserve.api.prometheus.LOAD_GAUGES."""
         total = self.engine.pool.slots if self.engine is not None else self.config.max_batch
         free = self.engine.free_slots if self.engine is not None else total
         return {

@@ -1,4 +1,4 @@
-"""Per-replica metrics on Ray: the metrics of ddserve.api.observability, exported through
+"""Per-replica metrics on Ray: the metrics of ddserve.api.prometheus, exported through
 Ray Serve's metrics API.
 
 Ray names cannot hold ':', so `ddserve:x` is registered as `ddserve_x`; Ray's metrics agent
@@ -19,7 +19,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 from ray.serve import metrics
 
-from ddserve.api.observability import LOAD_GAUGES, METRICS, PREFIX
+from ddserve.api.prometheus import LOAD_GAUGES, METRICS, PREFIX
 
 # SGLang's names for the same gauges (its server runs with --enable-metrics)
 SGLANG_LOAD = {

@@ -15,7 +15,7 @@ RELAY_SLICE = 128  # metric calls the replica makes for them per turn of its loo
 
 
 class RelayExporter:
-    """An extra process's metrics exporter (the interface of ddserve.api.observability's
+    """An extra process's metrics exporter (the interface of ddserve.api.prometheus's
     exporters): counters summed and observations kept, sent every RELAY_S to the replica as
     one msgpack array [[0, name, labels, total], [1, name, labels, [values]], ...] over a
     pipe. Gauges are the replica's own (its config and its engine's load: one per replica).

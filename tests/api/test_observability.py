@@ -10,7 +10,8 @@ import pytest
 
 from ddserve.api.app import create_app
 from ddserve.api.generation import Delta
-from ddserve.api.observability import MeteredBackend, PrometheusExporter, StatsLog, tree_size
+from ddserve.api.observability import MeteredBackend, StatsLog, tree_size
+from ddserve.api.prometheus import PrometheusExporter
 from ddserve.backends.local import LocalBackend
 from ddserve.config.engine import EngineConfig, LiveParams
 from ddserve.engine.runner import EngineRunner
