@@ -9,9 +9,12 @@
 #   ray-asc   `ddserve up` with the HAProxy ingress and `api_server_count: $API_SERVERS` (4):
 #             the replica's API processes over its one engine core
 #   http-deploy  `ddserve engine --config $DEPLOY` (default deploy/smollm2-gpu.yaml: the
-#             shipped GPU config, adaptive speculation, rounds a trip), budgets of $BUDGETS
-#             set through /admin/params (with adaptive speculation: its ceiling)
+#             shipped GPU config, adaptive speculation, rounds a trip; its api_server_count
+#             too), budgets of $BUDGETS set through /admin/params (with adaptive speculation:
+#             its ceiling: BUDGETS="15 0" for the shipped file)
 #   ray-deploy   `ddserve up --config $DEPLOY`, budgets through `ddserve reconfig set`
+#             (both deploy legs take the file's device and max_batch: DEVICE and MAXB are
+#             not theirs; LEVELS past its max_batch queue)
 # AR is the same engine with budget 0 (`/admin/params`, `ddserve reconfig set`), so every
 # path runs the same weights and graphs.
 #
@@ -61,7 +64,7 @@ for part in $parts; do
     inproc)
         configs=$(for b in $budgets; do [ "$b" = 0 ] && echo dflash-b0 || echo "dflash-b${b}k4"; done | paste -sd,)
         $py -m ddserve.bench.engine_load --device "$device" --configs "$configs" \
-            --spec-max-batch 2 --concurrency "$levels" --requests "$req" --max-tokens "$tokens" \
+            --spec-max-batch 2 --concurrency "$levels" --requests "$req" --waves "$waves" --max-tokens "$tokens" \
             --prompt-set "$prompts" --name inproc --out "$out"
         ;;
     http | http-ref | http-asc | http-deploy)

@@ -92,6 +92,8 @@ def main() -> None:
     except ImportError:
         return
     present = [c for c in CONFIGS.values() if any(r["config"] == c for r in rows)]
+    if not present:  # every leg failed: the table and JSON say so, no plot
+        return
     fig, axes = plt.subplots(1, len(present), figsize=(5.5 * len(present), 4), squeeze=False)
     for ax, cfg in zip(axes[0], present, strict=True):
         for path in ["inproc", *PATHS]:

@@ -48,8 +48,11 @@ def check_stop(v: str | list[str] | None) -> str | list[str] | None:
 
 
 def null_is_default(cls, v, info):
-    """An explicit null takes the field's default, as OpenAI's API does for n, stream, echo."""
-    return cls.model_fields[info.field_name].default if v is None else v
+    """An explicit null takes the field's default, as OpenAI's API does for n, stream, echo
+    (and SGLang's for sampling_params)."""
+    if v is not None:
+        return v
+    return cls.model_fields[info.field_name].get_default(call_default_factory=True)
 
 
 def temperature_floor(v: float | None) -> float | None:

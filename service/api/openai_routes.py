@@ -61,7 +61,7 @@ def register(app: FastAPI, s: Served) -> None:
                 c.stats,
                 fmt.chat_logprobs(c.logprobs, s.strings),
             )
-        include_usage = bool((req.stream_options or {}).get("include_usage"))
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
         async def chunks():
             created, sent_role = int(time.time()), False

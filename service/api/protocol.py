@@ -56,6 +56,14 @@ class _Body(BaseModel):
     model_config = ConfigDict(extra="allow", allow_inf_nan=False, strict=True)
 
 
+class StreamOptions(_Body):
+    """OpenAI's stream_options (others it may add are accepted and ignored)."""
+
+    include_usage: bool | None = Field(
+        None, description="A last chunk with the request's token usage."
+    )
+
+
 class Sampling(_Body):
     """Sampling fields shared by chat and completions; None = the engine's live default."""
 
@@ -72,7 +80,7 @@ class Sampling(_Body):
     n: int = Field(1, ge=1, le=1, description="Only one choice per request is supported.")
     ignore_eos: bool = Field(False, description="Extension: keep generating past EOS.")
     stream: bool = False
-    stream_options: dict | None = None
+    stream_options: StreamOptions | None = None
     stream_interval: int | None = Field(None, ge=1, le=1024, description=STREAM_INTERVAL)
     logit_bias: dict[str, float] | None = Field(
         None,
@@ -303,6 +311,7 @@ class NativeSampling(_Body):
 
     _temperature = field_validator("temperature")(temperature_floor)
     _stop = field_validator("stop")(check_stop)
+    _null = field_validator("ignore_eos", mode="before")(classmethod(null_is_default))
     _stop_ids = field_validator("stop_token_ids")(lambda v: v if v is None else token_ids(v))
 
     @model_validator(mode="after")
@@ -347,7 +356,9 @@ class GenerateRequest(_Body):
 
     _text = field_validator("text")(lambda v: v if v is None else unicode_text(v))
     _ids = field_validator("input_ids")(lambda v: v if v is None else token_ids(v))
-    _null = field_validator("stream", mode="before")(classmethod(null_is_default))
+    _null = field_validator("stream", "sampling_params", mode="before")(
+        classmethod(null_is_default)
+    )
 
     @model_validator(mode="after")
     def _one_input(self) -> GenerateRequest:
@@ -359,7 +370,7 @@ class GenerateRequest(_Body):
 class AdminParams(BaseModel):
     """POST /admin/params: the live parameters to change, any subset; nothing else."""
 
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
 
     budget: int | None = Field(
         None, ge=-MAX_INT, le=MAX_INT, description="Draft tree nodes verified per round."

@@ -81,12 +81,14 @@ def api_server_count(text: str) -> int:
 
 
 def api_servers_of(a: argparse.Namespace) -> int:
-    """--api-server-count, else its variable, else 1."""
+    """--api-server-count, else its variable, else --config's `api_server_count` (what the
+    file's replicas run: `ddserve engine --config deploy/smollm2-gpu.yaml` serves as they
+    would), else 1."""
     if a.api_server_count is not None:
         return a.api_server_count
     text = os.environ.get(API_SERVERS_ENV, "").strip()
     if not text:
-        return 1
+        return load_config(a.config).api_server_count if a.config else 1
     try:
         return api_server_count(text)
     except argparse.ArgumentTypeError as exc:
@@ -177,7 +179,7 @@ def add_parsers(sub) -> None:
         type=api_server_count,
         default=None,
         metavar="N",
-        help=f"API processes (HTTP, JSON, detokenisation) over the one engine core, sharing the port, as vLLM's flag: more keep first tokens prompt at high concurrency; --max-requests is shared out among them [env {API_SERVERS_ENV}; default 1]",
+        help=f"API processes (HTTP, JSON, detokenisation) over the one engine core, sharing the port, as vLLM's flag: more keep first tokens prompt at high concurrency; --max-requests is shared out among them [env {API_SERVERS_ENV}; default: --config's api_server_count, else 1]",
     )
     p.add_argument(
         "--api-key-file",

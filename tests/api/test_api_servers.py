@@ -264,3 +264,29 @@ def alive(pid: int) -> bool:
         return False
     with open(f"/proc/{pid}/stat") as f:  # a zombie is gone for this purpose
         return f.read().split(")")[-1].split()[0] != "Z"
+
+
+def test_the_api_server_count_comes_from_the_flag_its_variable_or_the_config(tmp_path, monkeypatch):
+    """`ddserve engine --config X` serves with X's api_server_count (as its replicas would),
+    unless --api-server-count or DDSERVE_API_SERVER_COUNT says otherwise; without any, 1."""
+    import argparse
+
+    import yaml
+
+    from ddserve.cli.engine import API_SERVERS_ENV, api_servers_of
+
+    with open("deploy/smollm2-gpu.yaml") as f:
+        cfg = yaml.safe_load(f)
+    path = tmp_path / "gpu.yaml"
+    path.write_text(yaml.safe_dump({**cfg, "api_server_count": 3}))
+    monkeypatch.delenv(API_SERVERS_ENV, raising=False)
+
+    def count(flag=None, config=None):
+        return api_servers_of(argparse.Namespace(api_server_count=flag, config=config))
+
+    assert count(config=str(path)) == 3
+    assert count() == 1
+    assert count(config="deploy/default.yaml") == 1
+    assert count(flag=2, config=str(path)) == 2
+    monkeypatch.setenv(API_SERVERS_ENV, "5")
+    assert count(config=str(path)) == 5

@@ -214,6 +214,16 @@ def test_seeded_sampling_is_reproducible(client):
             400,
             "seed",
         ),
+        (
+            {
+                "model": MODEL,
+                "messages": [{"role": "user", "content": "x"}],
+                "stream": True,
+                "stream_options": {"include_usage": "false"},
+            },
+            400,
+            "stream_options.include_usage",
+        ),
     ],
 )
 def test_bad_requests_get_openai_errors(engine_server, body, status, param):
@@ -264,6 +274,9 @@ def test_live_params_change_fingerprint_and_bad_values_change_nothing(engine_ser
         {"temperature": -1},
         {"top_p": 2},
         {"nonsense": 1},
+        {"budget": True},  # types as the request bodies': not 1
+        {"topk": "4"},
+        {"window": 8.0},
     ):
         r = httpx.post(url + "/admin/params", json=bad, headers=ADMIN)
         assert r.status_code == 400 and r.json()["error"]["message"], bad
@@ -518,3 +531,10 @@ def test_native_generate_refuses_sglang_sampling_params_it_does_not_honour(engin
         url, json={"text": "hi", "sampling_params": {"frequency_penalty": 0.0, "max_new_tokens": 2}}
     )
     assert ok.status_code == 200
+    # null sampling_params (and a null ignore_eos within them): the defaults, as SGLang's
+    for body in (
+        {"text": "hi", "sampling_params": None},
+        {"text": "hi", "sampling_params": {"max_new_tokens": 2, "ignore_eos": None}},
+    ):
+        r = httpx.post(url, json=body)
+        assert r.status_code == 200 and r.json()["text"] is not None, r.text
