@@ -31,7 +31,7 @@ ENGINE_KNOBS = {
     "DRAFT_FUSED_LAYERS": "static_engine",
     "COMPILE_GLUE": "static_models",
     "SPEC_GLUE_COMPILED": "static_spec",
-    "CAPTURE_STREAM_WARM_UP": "static",
+    "CAPTURE_STREAM_WARM_UP": "graphs",
     "JOIN_BESIDE_TRIP": "rounds",
 }
 

@@ -20,7 +20,7 @@ a stream run one after another (with PDL, each touches them only after `wait_pre
 its predecessor, whose finishers reset their counters, has completed). Forwards on two
 streams (a prompt chunk beside a step, graph lanes) get their own (`workspace`, keyed by
 the stream a forward is issued or captured on). A workspace, once made, is never freed: a
-graph captured with it keeps its address. The engine's graphs (static.GraphCache) run a
+graph captured with it keeps its address. The engine's graphs (graphs.GraphCache) run a
 forward eagerly on their capture stream before capturing it, so the workspace is made there,
 outside any capture: made inside one, it would come from the graph pool the lane's graphs
 share, possibly from memory an earlier graph uses as scratch, whose every replay would then

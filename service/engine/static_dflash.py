@@ -10,8 +10,9 @@ import numpy as np
 import torch
 
 from ddserve.engine.attention import FULL, plan
+from ddserve.engine.graphs import GraphCache
 from ddserve.engine.llama import apply_rope, linear
-from ddserve.engine.static import GraphCache, KVPool, Staging, fuse_weights, layer_step
+from ddserve.engine.static import KVPool, Staging, fuse_weights, layer_step
 from ddserve.engine.static_models import glue_compiled
 
 

@@ -50,6 +50,7 @@ from ddserve.config.engine import LiveParams
 from ddserve.engine.attention import backend as attention_backend
 from ddserve.engine.dflash import DFlashDrafter
 from ddserve.engine.drafters import Drafter, NoDrafter
+from ddserve.engine.graphs import GraphCache
 from ddserve.engine.llama import Llama
 from ddserve.engine.sampling import (
     BatchSampler,
@@ -61,7 +62,6 @@ from ddserve.engine.sampling import (
 )
 from ddserve.engine.sequence import Outcome, Sequence, truncate_at_stop
 from ddserve.engine.static import (
-    GraphCache,
     SlotCache,
     compile_layer_step,
     fused_layers_on,

@@ -22,9 +22,9 @@ import torch
 from ddserve.config.engine import MAX_BUDGET
 from ddserve.engine.attention import CAUSAL, FRESH, TREE, plan, plan_ragged
 from ddserve.engine.dflash import DFlashDrafter
+from ddserve.engine.graphs import GraphCache
 from ddserve.engine.llama import Llama, linear
 from ddserve.engine.static import (
-    GraphCache,
     KVPool,
     Staging,
     fit_slots,
