@@ -524,7 +524,10 @@ def test_a_hugging_face_model_directory_serves_chat_with_its_template(hf_engine)
 
 def test_native_generate_refuses_sglang_sampling_params_it_does_not_honour(engine_server):
     url = engine_server.url + "/generate"
-    for name, value in (("logit_bias", {"5": 3.0}), ("frequency_penalty", 0.5), ("regex", "a+")):
+    refused = (("logit_bias", {"5": 3.0}), ("frequency_penalty", 0.5), ("regex", "a+"))
+    # true / false are not the no-op 1 / 0 (types as the request bodies')
+    refused += (("n", True), ("min_new_tokens", False))
+    for name, value in refused:
         r = httpx.post(url, json={"text": "hi", "sampling_params": {name: value}})
         assert r.status_code == 400 and name in r.json()["error"]["message"], (name, r.text)
     ok = httpx.post(
