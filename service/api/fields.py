@@ -88,8 +88,11 @@ def check_logit_bias(v: dict | None) -> dict | None:
     if len(v) > MAX_LOGIT_BIAS:
         raise ValueError(f"{len(v)} entries; at most {MAX_LOGIT_BIAS} are accepted")
     for key, bias in v.items():
-        if not (key.isascii() and key.isdigit() and int(key) < 1 << 31):
-            raise ValueError(f"keys are token ids (non-negative integers); {key!r} is not one")
+        if not (
+            key.isascii() and key.isdigit() and len(key.lstrip("0")) <= 10 and int(key) < 1 << 31
+        ):
+            shown = key if len(key) <= 24 else key[:21] + "..."
+            raise ValueError(f"keys are token ids (non-negative integers); {shown!r} is not one")
         if not -MAX_ABS_BIAS <= bias <= MAX_ABS_BIAS:
             raise ValueError(
                 f"the bias of token {key} is {bias:g}; it must be in [{-MAX_ABS_BIAS:g}, {MAX_ABS_BIAS:g}]"

@@ -151,12 +151,17 @@ class TextStream:
 
 
 def check_prompt(
-    prompt: list[int], max_tokens: int | None, max_context: int, param: str = "messages"
+    prompt: list[int],
+    max_tokens: int | None,
+    max_context: int,
+    param: str = "messages",
+    max_tokens_param: str = "max_tokens",
 ) -> int:
     """Validate lengths against the context; return the effective max_tokens. `param`
-    names the prompt's field in the request (messages, prompt, text, input_ids)."""
+    names the prompt's field in the request (messages, prompt, text, input_ids),
+    `max_tokens_param` the completion length's (/generate: sampling_params.max_new_tokens)."""
     if not prompt:
-        raise InvalidRequest("the prompt is empty", param="prompt")
+        raise InvalidRequest("the prompt is empty", param=param)
     room = max_context - len(prompt)
     if room <= 0:
         raise ContextLengthExceeded(
@@ -167,8 +172,8 @@ def check_prompt(
         return room
     if max_tokens > room:
         raise ContextLengthExceeded(
-            f"max_tokens={max_tokens} plus the prompt's {len(prompt)} tokens exceeds the maximum context length of {max_context} tokens; ask for at most {room}",
-            param="max_tokens",
+            f"{max_tokens_param.rsplit('.', 1)[-1]}={max_tokens} plus the prompt's {len(prompt)} tokens exceeds the maximum context length of {max_context} tokens; ask for at most {room}",
+            param=max_tokens_param,
         )
     return max_tokens
 
@@ -188,15 +193,19 @@ def resolve_sampling(
     logprobs=None,
     logit_bias=(),
     prompt_param="messages",
+    max_tokens_param="max_tokens",
 ) -> SamplingParams:
     """Per-request values over the backend's live defaults; validates the lengths (a prompt
-    too long is named as the request's `prompt_param`)."""
+    too long is named as the request's `prompt_param`, a length past the context as its
+    `max_tokens_param`)."""
     live = backend.params
     return SamplingParams(
         temperature=live.temperature if temperature is None else temperature,
         top_p=live.top_p if top_p is None else top_p,
         top_k=live.top_k if top_k is None or top_k < 0 else top_k,
-        max_tokens=check_prompt(prompt, max_tokens, backend.max_context, prompt_param),
+        max_tokens=check_prompt(
+            prompt, max_tokens, backend.max_context, prompt_param, max_tokens_param
+        ),
         stop=tuple(stop),
         stop_token_ids=tuple(stop_token_ids or ()),
         ignore_eos=ignore_eos,

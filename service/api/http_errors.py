@@ -62,9 +62,31 @@ def http_error(request: Request, exc: HTTPException) -> JSONResponse:
 SHOWN_CHARS = 80  # of a refused value, in its error message
 
 
+# how pydantic names the member of a union (`str | list[str]`) in an error's location
+UNION_MEMBERS = {"str", "int", "float", "bool", "dict", "list", "none", "bytes"}
+
+
+def _field_path(loc) -> list[str]:
+    """An error's location as the request's field path: without "body" and without the
+    union members pydantic inserts (`stop.list[str].0` -> `stop.0`, `content.str` ->
+    `content`)."""
+    return [
+        str(p)
+        for p in loc
+        if p != "body"
+        and not (
+            isinstance(p, str) and (p in UNION_MEMBERS or "[" in p or p.startswith("function-"))
+        )
+    ]
+
+
 def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
-    err = exc.errors()[0]
-    loc = [str(p) for p in err.get("loc", ()) if p != "body"]
+    # of a value that fits no member of a union, pydantic reports each member's error: the
+    # deepest one is the member the value was meant for (a list of one bad string: that
+    # string's error, not "should be a valid string" of the whole list)
+    errors = exc.errors()
+    err = max(errors, key=lambda e: len(e.get("loc", ()))) if errors else {}
+    loc = _field_path(err.get("loc", ()))
     param = ".".join(loc) or None
     if err.get("type") == "json_invalid":
         return "the request body is not valid JSON", None

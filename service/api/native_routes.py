@@ -44,6 +44,7 @@ def register(app: FastAPI, s: Served) -> None:
             ignore_eos=p.ignore_eos,
             seed=p.seed,
             prompt_param="text" if req.text is not None else "input_ids",
+            max_tokens_param="sampling_params.max_new_tokens",
         )
         t0 = time.perf_counter()
 

@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import Response
@@ -16,6 +18,18 @@ from ddserve.api.protocol import ChatCompletionRequest, CompletionRequest
 from ddserve.api.served import CLIENT_CLOSED, PER_MESSAGE_CHARS, Served, off_loop_if_long
 from ddserve.api.text import encode, render_chat
 from ddserve.errors import InvalidRequest
+
+
+@contextmanager
+def ids_as_prompt() -> Iterator[None]:
+    """The engine names token ids it refuses `input_ids` (/generate's field); a completion's
+    ids are its `prompt`."""
+    try:
+        yield
+    except InvalidRequest as exc:
+        if exc.param == "input_ids":
+            exc.param = "prompt"
+        raise
 
 
 def register(app: FastAPI, s: Served) -> None:
@@ -138,7 +152,10 @@ def register(app: FastAPI, s: Served) -> None:
         s.admission.enter(extra)
         if not req.stream:
             try:
-                done = await s.finish_for(request, complete_all(s.backend, prompts, sps), deadline)
+                with ids_as_prompt():
+                    done = await s.finish_for(
+                        request, complete_all(s.backend, prompts, sps), deadline
+                    )
             finally:
                 s.admission.leave(extra)
             if done is None:
@@ -159,22 +176,24 @@ def register(app: FastAPI, s: Served) -> None:
                 for p, sp in zip(prompts, sps, strict=True)
             ]
             try:
-                async for i, d in interleave(streams):
-                    text = echoes[i] + d.text
-                    echoes[i] = ""
-                    if not text and not d.logprobs and d.finish_reason is None:
-                        continue
-                    lp = fmt.completion_logprobs(d.logprobs, s.strings)
-                    chunk = fmt.completion_chunk(
-                        rid, s.model_id, created, d.fingerprint, text, d.finish_reason, i, lp
-                    )
-                    if d.finish_reason is not None:
-                        s.record(d.stats)
-                        finished.append(d.stats)
-                        chunk["ddtree"] = fmt.ddtree_ext(d.stats)
-                        if len(finished) == len(prompts):  # the last choice: the request's usage
-                            chunk["usage"] = fmt.usage(merged_stats(finished))
-                    yield fmt.sse(chunk)
+                with ids_as_prompt():
+                    async for i, d in interleave(streams):
+                        text = echoes[i] + d.text
+                        echoes[i] = ""
+                        if not text and not d.logprobs and d.finish_reason is None:
+                            continue
+                        lp = fmt.completion_logprobs(d.logprobs, s.strings)
+                        chunk = fmt.completion_chunk(
+                            rid, s.model_id, created, d.fingerprint, text, d.finish_reason, i, lp
+                        )
+                        if d.finish_reason is not None:
+                            s.record(d.stats)
+                            finished.append(d.stats)
+                            chunk["ddtree"] = fmt.ddtree_ext(d.stats)
+                            # the last choice: the request's usage
+                            if len(finished) == len(prompts):
+                                chunk["usage"] = fmt.usage(merged_stats(finished))
+                        yield fmt.sse(chunk)
                 yield fmt.sse("[DONE]")
             finally:
                 s.admission.leave(extra)

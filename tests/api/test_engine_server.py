@@ -188,6 +188,32 @@ def test_seeded_sampling_is_reproducible(client):
             400,
             "messages.0.content",
         ),
+        # a union's member is not part of the field's path, and the error is the one of the
+        # member the value was meant for (was `messages.0.content.str: ... a valid string`)
+        (
+            {
+                "model": MODEL,
+                "messages": [{"role": "user", "content": [{"type": "text", "text": "x \ud800"}]}],
+            },
+            400,
+            "messages.0.content.0.text",
+        ),
+        (
+            {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "stop": [1]},
+            400,
+            "stop.0",
+        ),
+        # a logit_bias key of thousands of digits: refused as not a token id (was Python's
+        # "Exceeds the limit (4300 digits) for integer string conversion")
+        (
+            {
+                "model": MODEL,
+                "messages": [{"role": "user", "content": "x"}],
+                "logit_bias": {"0" * 5000 + "1": 1},
+            },
+            400,
+            "logit_bias",
+        ),
         # types as OpenAI's API checks them: pydantic's lax coercion took these as 8 and true
         (
             {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": "8"},
@@ -491,12 +517,41 @@ def test_a_list_of_prompts_is_one_choice_each_streamed_interleaved(client):
 
 @pytest.mark.parametrize(
     "prompt,says",
-    [([], "empty"), (["x"] * 65, "at most 64"), (["x", 1], "prompt"), ([[1], []], "empty")],
+    [
+        ([], "empty"),
+        (["x"] * 65, "at most 64"),
+        (["x", 1], "prompt"),
+        ([[1], []], "empty"),
+        ([10**6], "token ids must be in"),  # the engine's check: `input_ids` on /generate
+        ([[1], [10**6]], "token ids must be in"),
+    ],
 )
-def test_list_prompts_out_of_bounds_are_refused_naming_prompt(client, prompt, says):
+@pytest.mark.parametrize("stream", [False, True])
+def test_list_prompts_out_of_bounds_are_refused_naming_prompt(client, prompt, says, stream):
     with pytest.raises(openai.BadRequestError) as e:
-        client.completions.create(model=MODEL, prompt=prompt, max_tokens=2)
+        client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, stream=stream)
     assert e.value.body["param"] == "prompt" and says in e.value.body["message"]
+
+
+@pytest.mark.parametrize(
+    "body,param,says",
+    [
+        ({"text": ""}, "text", "empty"),
+        ({"input_ids": []}, "input_ids", "empty"),
+        (
+            {"text": "hi", "sampling_params": {"max_new_tokens": 10**6}},
+            "sampling_params.max_new_tokens",
+            "max_new_tokens=",
+        ),
+        # a union's member is not part of the field's path (was `sampling_params.stop.str`)
+        ({"text": "hi", "sampling_params": {"stop": [1]}}, "sampling_params.stop.0", "string"),
+    ],
+)
+def test_native_generate_names_the_field_it_refuses(engine_server, body, param, says):
+    r = httpx.post(engine_server.url + "/generate", json=body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and says in err["message"], err
 
 
 def test_a_hugging_face_model_directory_serves_chat_with_its_template(hf_engine):
