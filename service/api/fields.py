@@ -100,8 +100,14 @@ def check_logit_bias(v: dict | None) -> dict | None:
     return v
 
 
+def is_noop(value, noops: tuple) -> bool:
+    """Whether `value` is one of the no-op values, of a matching JSON type: true is not 1 and
+    false is not 0 (`==` would say they are), whatever else is numerically equal is."""
+    return any(value == v and (type(value) is bool) == (type(v) is bool) for v in noops)
+
+
 def refuse_unsupported(v, info):
     noop, why = REFUSED[info.field_name]
-    if v not in noop:
+    if not is_noop(v, noop):
         raise ValueError(f"not supported: {why}")
     return v

@@ -69,14 +69,11 @@ UNION_MEMBERS = {"str", "int", "float", "bool", "dict", "list", "none", "bytes"}
 def _field_path(loc) -> list[str]:
     """An error's location as the request's field path: without "body" and without the
     union members pydantic inserts (`stop.list[str].0` -> `stop.0`, `content.str` ->
-    `content`)."""
+    `content`; a validator's member, `function-after[...]`, has brackets too)."""
     return [
         str(p)
         for p in loc
-        if p != "body"
-        and not (
-            isinstance(p, str) and (p in UNION_MEMBERS or "[" in p or p.startswith("function-"))
-        )
+        if p != "body" and not (isinstance(p, str) and (p in UNION_MEMBERS or "[" in p))
     ]
 
 

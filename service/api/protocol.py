@@ -14,6 +14,7 @@ from ddserve.api.fields import (
     REFUSED,
     check_logit_bias,
     check_stop,
+    is_noop,
     null_is_default,
     refuse_unsupported,
     temperature_floor,
@@ -320,17 +321,11 @@ class NativeSampling(_Body):
         do: a 400 naming them (never silently ignored), unless at a value that changes
         nothing."""
         for name, value in (self.model_extra or {}).items():
-            if name in NATIVE_REFUSED and not _noop(value, NATIVE_REFUSED[name]):
+            if name in NATIVE_REFUSED and not is_noop(value, NATIVE_REFUSED[name]):
                 raise ValueError(
                     f"{name}={value!r} is not supported by this engine (accepted only as {NATIVE_REFUSED[name][0]!r} or left out)"
                 )
         return self
-
-
-def _noop(value, noops: tuple) -> bool:
-    """Whether `value` is one of the no-op values, of a matching JSON type: true is not 1 and
-    false is not 0 (`==` would say they are), whatever else is numerically equal is."""
-    return any(value == v and (type(value) is bool) == (type(v) is bool) for v in noops)
 
 
 # SGLang's /generate sampling_params this engine does not honour -> the values that are no-ops
