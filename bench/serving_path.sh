@@ -98,8 +98,10 @@ PY
         apis=1
         [ $part = ray-asc ] && ingress=haproxy apis=${API_SERVERS:-4}
         cfg="$out/$part.yaml"
-        [ $part = ray-deploy ] && cp "$deploy" "$cfg"
-        [ $part = ray-deploy ] || cat >"$cfg" <<EOF
+        if [ $part = ray-deploy ]; then
+            cp "$deploy" "$cfg"
+        else
+            cat >"$cfg" <<EOF
 name: bench
 engine:
   kind: builtin
@@ -116,6 +118,7 @@ cpus_per_replica: $((apis + 1))
 http: {host: 127.0.0.1, port: 8000, ingress: $ingress}
 health: {period_s: 10, timeout_s: 120, recent_traffic_s: 10, engine_start_timeout_s: 900}
 EOF
+        fi
         if ray_up "$part" "$cfg" "$out/$part-up.log"; then
             echo "$part: ready after ${SECONDS}s"
             for b in $budgets; do  # each leg sets its budget through the reconfig controller
