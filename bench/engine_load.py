@@ -3,7 +3,7 @@
     python -m ddserve.bench.engine_load [--model smollm2-135m] [--device cuda] [--graphs auto]
         [--configs ar,dflash-b3k1] [--concurrency 1,4,16,64] [--requests 64]
         [--waves 2] [--max-tokens 128] [--temperature 0] [--prompt-set chat] [--name engine_load]
-        [--compile auto|on|off] [--spec-max-batch N] [--first-token-share X]
+        [--compile auto|on|off] [--spec-max-batch N] [--first-token-share X] [--profile]
 
 A config name may end in modes after `@`: `@adaptive` (dflash-b16k4@adaptive) is the same
 engine with --speculative-adaptive (its budget is the ceiling); its row records the budgets
@@ -19,7 +19,11 @@ drafting round's draft + tree (CUDA events around the draft call) and the wall t
 The worker the server runs (admission by free KV slots, prefill, one verify per round for
 every active request) driven by C asyncio clients, fixed output length (ignore_eos), the
 first C requests of a level not counted. Per level: output tok/s, requests/s, TTFT and
-inter-round latency p50/p99, tau, and for the static engine the host time per round.
+inter-round latency p50/p99, tau, and for the static engine the host time per round; where
+the wall time went (the engine's `step_batch` calls, the adaptive policy's, the rest: the
+runner's own work and idle time) and the CUDA graphs captured during the level (first-use
+shapes the warm-up missed). `--profile` runs the engine's worker under cProfile and keeps
+each config's top functions.
 `ddserve bench` measures the same through the HTTP server; this isolates the engine.
 Prints a table, writes NAME.json.
 """
@@ -28,9 +32,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import cProfile
 import gc
+import io
 import json
 import os
+import pstats
 import sys
 import time
 from pathlib import Path
@@ -96,6 +103,73 @@ def draft_timer(engine) -> list | None:
     return events
 
 
+def step_timer(runner: EngineRunner) -> dict:
+    """The wall time of the engine's `step_batch` calls and of the adaptive policy's calls,
+    summed: the rest of a level's wall time is the runner's own (prompt chunks, scheduling,
+    delivery) or idle."""
+    acc = {"step_s": 0.0, "steps": 0, "policy_s": 0.0}
+    engine, step = runner.engine, runner.engine.step_batch
+
+    def timed(*args, **kw):
+        t0 = time.perf_counter()
+        try:
+            return step(*args, **kw)
+        finally:
+            acc["step_s"] += time.perf_counter() - t0
+            acc["steps"] += 1
+
+    engine.step_batch = timed
+    if runner.policy is not None:
+        for verb in ("choose", "record"):
+            fn = getattr(runner.policy, verb)
+
+            def timed_policy(*args, fn=fn):
+                t0 = time.perf_counter()
+                try:
+                    return fn(*args)
+                finally:
+                    acc["policy_s"] += time.perf_counter() - t0
+
+            setattr(runner.policy, verb, timed_policy)
+    return acc
+
+
+def captures(engine) -> int:
+    """CUDA graphs captured so far by every graph cache of the engine."""
+    return getattr(engine, "graph_count", 0)
+
+
+def profiled(runner: EngineRunner, sink: list):
+    """Run the runner's worker loop under cProfile (`--profile`): `sink` gets the profile once
+    the loop ends (at shutdown). The profiler slows the host; compare configs under it."""
+    loop = runner._loop
+
+    def run():
+        prof = cProfile.Profile()
+        prof.enable()
+        try:
+            loop()
+        finally:
+            prof.disable()
+            sink.append(prof)
+
+    runner._loop = run
+
+
+def top_functions(prof: cProfile.Profile, n: int = 25) -> list[dict]:
+    st = pstats.Stats(prof, stream=io.StringIO())
+    rows = sorted(st.stats.items(), key=lambda kv: -kv[1][2])[:n]  # by time of their own
+    return [
+        {
+            "function": f"{Path(f).name}:{line}:{fn}",
+            "own_s": round(tt, 4),
+            "cum_s": round(ct, 4),
+            "calls": nc,
+        }
+        for (f, line, fn), (_, nc, tt, ct, _) in rows
+    ]
+
+
 def run_config(lm, name, a, prompts, levels) -> dict:
     base, *modes = name.split("@")
     kind, budget, topk = REGISTRY[base]
@@ -114,6 +188,9 @@ def run_config(lm, name, a, prompts, levels) -> dict:
         params={"budget": budget, "topk": topk, "temperature": a.temperature},
     )
     runner = EngineRunner(cfg, loaded=lm)
+    profiles: list = []
+    if a.profile:
+        profiled(runner, profiles)
     t0 = time.perf_counter()
     runner.start()
     if "hosttree" in modes:
@@ -128,6 +205,7 @@ def run_config(lm, name, a, prompts, levels) -> dict:
         "levels": [],
     }
     events = draft_timer(runner.engine)
+    spent = step_timer(runner)
     budgets: dict[int, int] = {}
     if runner.policy is not None:  # count the budgets the rounds use
         choose = runner.policy.choose
@@ -141,6 +219,7 @@ def run_config(lm, name, a, prompts, levels) -> dict:
     for c in levels:
         timing0 = dict(getattr(runner.engine, "timing", {}))
         budgets.clear()
+        spent0, graphs0 = dict(spent), captures(runner.engine)
 
         async def send(i, c=c):
             s = SamplingParams(
@@ -163,6 +242,13 @@ def run_config(lm, name, a, prompts, levels) -> dict:
             if "trips" in tm:  # rounds a host round trip (num_scheduler_steps: at most that)
                 trips = max(1, tm["trips"] - timing0["trips"])
                 lv["rounds_per_trip"] = round(rounds / trips, 2)
+        # where the level's wall time went: the engine's steps, the policy, the rest
+        steps = max(1, spent["steps"] - spent0["steps"])
+        lv["step_batch_calls"] = steps
+        lv["step_batch_ms_per_call"] = round((spent["step_s"] - spent0["step_s"]) / steps * 1e3, 3)
+        lv["outside_step_batch_s"] = round(wall - (spent["step_s"] - spent0["step_s"]), 3)
+        lv["policy_ms_per_call"] = round((spent["policy_s"] - spent0["policy_s"]) / steps * 1e3, 4)
+        lv["graphs_captured"] = captures(runner.engine) - graphs0
         if events:
             torch.cuda.synchronize()
             gpu = [s.elapsed_time(e) for s, e in events]
@@ -179,6 +265,8 @@ def run_config(lm, name, a, prompts, levels) -> dict:
     if runner.policy is not None:
         row["policy_tok_s_per_request"] = runner.policy.snapshot()
     runner.shutdown()
+    if profiles:  # the worker's whole life: warm-up, start-up rounds and every level
+        row["profile_top"] = top_functions(profiles[0])
     runner.engine = None
     gc.collect()
     if torch.cuda.is_available():
@@ -208,6 +296,11 @@ def main() -> None:
         "its first prefill and its slowest request (DDTree's vary with acceptance)",
     )
     ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument(
+        "--profile",
+        action="store_true",
+        help="run the engine's worker under cProfile: each config's top functions in the JSON",
+    )
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--prompt-set", default="chat")
     ap.add_argument("--name", default="engine_load")

@@ -25,6 +25,10 @@ from ddserve.engine.static_dflash import pack_draft
 from ddserve.engine.tree import DeviceTrees, Tree, build_tree, build_tree_top, size_bound
 from ddserve.errors import EngineError
 
+# newcomers' drafter context in one write a round (StaticDFlash.extend_many); False: one
+# `extend` each, as before 2026-12-07 (benchmarks' switch, bench.tuned's engine knobs)
+BATCHED_CATCH_UP = True
+
 
 class Drafting:
     """StaticEngine's draft step (a mixin: it reads the engine's pool, target, drafter,
@@ -127,9 +131,7 @@ class Drafting:
         length once they are written: `_fed` records it after the write is queued, so a draft
         that raises leaves the rows pending for the retry. `slots`, `want`: `_rows(seqs)`."""
         wn, ml = self.sdraft.new_rows, self.pool.max_len
-        for seq in seqs:
-            if seq.hidden_new:
-                self._catch_up(seq)
+        self._catch_up([seq for seq in seqs if seq.hidden_new])
         start = np.fromiter((seq.draft_state for seq in seqs), np.int64, len(seqs))
         fed = start + np.fromiter((seq.pending for seq in seqs), np.int64, len(seqs))
         if (bad := np.flatnonzero(fed != want)).size:
@@ -158,10 +160,22 @@ class Drafting:
         for seq, length in fed:
             seq.draft_state, seq.pending = length, 0
 
-    def _catch_up(self, seq: Sequence) -> None:
-        """A prompt's context rows (more than one round's), written eagerly after prefill."""
-        if seq.hidden_new:
-            taps = seq.hidden_new[0] if len(seq.hidden_new) == 1 else torch.cat(seq.hidden_new)
+    def _catch_up(self, seqs: list[Sequence]) -> None:
+        """Prompts' context rows (more than one round's), written after prefill: every
+        newcomer of the round in one write (`StaticDFlash.extend_many`)."""
+        if not seqs:
+            return
+        taps = []
+        for seq in seqs:
+            taps.append(
+                seq.hidden_new[0] if len(seq.hidden_new) == 1 else torch.cat(seq.hidden_new)
+            )
             seq.hidden_new.clear()
-            self.sdraft.extend(seq.cache.slot, seq.draft_state, taps)
-            seq.draft_state += taps.shape[0]
+        slots, starts = [seq.cache.slot for seq in seqs], [seq.draft_state for seq in seqs]
+        if BATCHED_CATCH_UP:
+            self.sdraft.extend_many(slots, starts, taps)
+        else:
+            for slot, start, t in zip(slots, starts, taps, strict=True):
+                self.sdraft.extend(slot, start, t)
+        for seq, t in zip(seqs, taps, strict=True):
+            seq.draft_state += t.shape[0]

@@ -1143,3 +1143,27 @@ def test_split_k_counters_stay_zero_whatever_graph_replays_cuda_bf16():
             graph.replay()
             torch.cuda.synchronize()
             assert all(int(c.count_nonzero()) == 0 for c in counters), key
+
+
+def test_newcomers_catch_up_in_one_write_as_one_by_one(tiny):
+    """Several prompts' drafter context in one write (`StaticDFlash.extend_many`: one
+    projection, one indexed write) leaves the pool exactly as one `extend` each would, and
+    touches nothing else; one prompt alone takes the slice copies."""
+    eng = StaticEngine(
+        tiny, DFlashDrafter(random_dflash(tiny), tiny), 6, (), slots=4, max_context=256,
+        graphs=False,
+    )  # fmt: skip
+    sd = eng.sdraft
+    gen = torch.Generator().manual_seed(2)
+    width = sd.feats.shape[-1]
+    taps = [torch.randn(n, width, generator=gen) for n in (37, 1, 90)]
+    slots, starts = [3, 0, 1], [0, 12, 4]
+    for slot, start, t in zip(slots, starts, taps, strict=True):
+        sd.extend(slot, start, t)
+    one_by_one = sd.pool.kv.clone()
+    sd.pool.kv.zero_()
+    sd.extend_many(slots, starts, taps)
+    assert torch.allclose(one_by_one, sd.pool.kv, atol=1e-6, rtol=0)
+    assert one_by_one[:, :, 1, :, 4:94].abs().sum() > 0
+    assert one_by_one[:, :, 2].abs().sum() == 0 == sd.pool.kv[:, :, 2].abs().sum()
+    assert sd.pool.kv[:, :, 0, :, 13:].abs().sum() == 0 == sd.pool.kv[:, :, 0, :, :12].abs().sum()

@@ -1,0 +1,37 @@
+# For the thirty-first session: the DFlash engine's upkeep at budget 0 and adaptive's cost over
+# fixed b7 at 64 requests (s35 on an H200: AR 30.3k, DFlash b0 27.1k (0.89x), b7 30.9k,
+# adaptive b15 26.5k tok/s). Suspect one: every newcomer's drafter context written by its own
+# `extend` (a few dozen launches each, 64 a wave): now one write a round (BATCHED_CATCH_UP),
+# side by side with the old path. Suspect two, measured: where adaptive's wall time goes
+# (step_batch, the policy, the runner's rest, graphs captured mid-level, cProfile's top).
+# `CALL=N bash bench/lease/s36.sh`, back to back:
+#   1  carry .carry/r1 .whl   the GPU tests (tests/engine -k cuda, no GGUF needed)
+#   2  carry .carry/r2
+#   3  carry .carry/r3        C=16/64, 16 waves, share 0.5: old catch-up (b0, adaptive), new (C=1 too)
+#                             (AR, b0, b7, adaptive), then under cProfile at C=64 (b7, adaptive)
+mkdir -p /root/parts
+cp .carry/r*/* /root/parts/ 2>/dev/null
+. bench/device_env.sh /root/parts
+quiet() { grep -v -i -e warn -e transformers -e Convert -e Loading; }
+table() { grep -e "^config" -e "^[ad][a-z0-9@-]* *[0-9]" -e Error | cut -c1-140; }
+LOAD="--device cuda --requests 32 --waves 16 --max-tokens 128 --prompt-set heldout:16 --first-token-share 0.5 --out $OUT"
+case ${CALL:?} in
+1)
+    timeout 400 python3 -m pytest -q -p no:cacheprovider tests/engine -k "cuda and not long_prompt_is_admitted" 2>&1 |
+        tail -4 | tee $OUT/gpu_tests.txt
+    ;;
+2) ls -la /root/parts | tail -2 ;;
+3)
+    echo '{"engine": {"BATCHED_CATCH_UP": false}}' >/tmp/old.json
+    timeout 150 python3 -m ddserve.bench.tuned /tmp/old.json ddserve.bench.engine_load $LOAD \
+        --concurrency 16,64 --configs dflash-b0@steps4,dflash-b15k4@adaptive@steps4 \
+        --name old_catch_up 2>&1 | quiet | table
+    timeout 250 python3 -m ddserve.bench.engine_load $LOAD --concurrency 1,16,64 \
+        --configs ar@steps4,dflash-b0@steps4,dflash-b7k4@steps4,dflash-b15k4@adaptive@steps4 \
+        --name catch_up 2>&1 | quiet | table
+    timeout 150 python3 -m ddserve.bench.engine_load $LOAD --concurrency 64 --profile \
+        --configs dflash-b7k4@steps4,dflash-b15k4@adaptive@steps4 --name profiled 2>&1 |
+        quiet | table
+    ;;
+esac
+echo "done at ${SECONDS}s"
