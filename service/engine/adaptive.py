@@ -48,6 +48,7 @@ exploring under 1% of rounds once settled. `SpecPolicy` is plain arithmetic over
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from dataclasses import dataclass, field
 
 ALPHA = 0.1  # weight of a round's time in its average
@@ -198,8 +199,15 @@ class SpecPolicy:
         n = len(paths)
         a = RETRY_GAIN_ALPHA if retry else 1 - (1 - GAIN_ALPHA) ** n
         cands = candidates(budget)
-        for lo, b in zip(cands, cands[1:], strict=False):  # what each step up would add
-            got = sum(1 for p in paths for i in p if lo < i <= b) / n
+        # what each step up would add: the accepted nodes in (previous candidate, b], counted
+        # in one pass (node i falls in the step up to cands[bisect_left(cands, i)])
+        counts = [0] * len(cands)
+        for p in paths:
+            for i in p:
+                if 0 < i <= budget:
+                    counts[bisect_left(cands, i)] += 1
+        for j, b in enumerate(cands[1:], 1):
+            got = counts[j] / n
             old, seen = self.inc.get(b), self.seen.get(b, 0)
             # a plain mean over its first requests, then the moving average
             self.inc[b] = got if old is None else _avg(old, got, max(a, n / (seen + n)))
