@@ -17,7 +17,7 @@ table() { grep -e "^config" -e "^[ad][a-z0-9@-]* *[0-9]" -e Error | cut -c1-140;
 LOAD="--device cuda --requests 32 --waves 16 --max-tokens 128 --prompt-set heldout:16 --first-token-share 0.5 --out $OUT"
 case ${CALL:?} in
 1)
-    timeout 400 python3 -m pytest -q -p no:cacheprovider tests/engine -k "cuda and not long_prompt_is_admitted" 2>&1 |
+    timeout 250 python3 -m pytest -q -p no:cacheprovider tests/engine -k "cuda and not long_prompt_is_admitted" 2>&1 |
         tail -4 | tee $OUT/gpu_tests.txt
     ;;
 2) ls -la /root/parts | tail -2 ;;
