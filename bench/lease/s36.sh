@@ -5,10 +5,11 @@
 # side by side with the old path. Suspect two, measured: where adaptive's wall time goes
 # (step_batch, the policy, the runner's rest, graphs captured mid-level, cProfile's top).
 # `CALL=N bash bench/lease/s36.sh`, back to back:
-#   1  carry .carry/r1 .whl   the GPU tests (tests/engine -k cuda, no GGUF needed)
+#   1  carry .carry/r1 .whl
 #   2  carry .carry/r2
 #   3  carry .carry/r3        C=16/64, 16 waves, share 0.5: old catch-up (b0, adaptive), new (C=1 too)
-#                             (AR, b0, b7, adaptive), then under cProfile at C=64 (b7, adaptive)
+#                             (AR, b0, b7, adaptive), then under cProfile at C=64 (b7, adaptive);
+#                             then the GPU tests (tests/engine -k cuda) in the time left
 mkdir -p /root/parts
 cp .carry/r*/* /root/parts/ 2>/dev/null
 . bench/device_env.sh /root/parts
@@ -16,11 +17,7 @@ quiet() { grep -v -i -e warn -e transformers -e Convert -e Loading; }
 table() { grep -e "^config" -e "^[ad][a-z0-9@-]* *[0-9]" -e Error | cut -c1-140; }
 LOAD="--device cuda --requests 32 --waves 16 --max-tokens 128 --prompt-set heldout:16 --first-token-share 0.5 --out $OUT"
 case ${CALL:?} in
-1)
-    timeout 250 python3 -m pytest -q -p no:cacheprovider tests/engine -k "cuda and not long_prompt_is_admitted" 2>&1 |
-        tail -4 | tee $OUT/gpu_tests.txt
-    ;;
-2) ls -la /root/parts | tail -2 ;;
+[12]) ls -la /root/parts | tail -2 ;;
 3)
     echo '{"engine": {"BATCHED_CATCH_UP": false}}' >/tmp/old.json
     timeout 150 python3 -m ddserve.bench.tuned /tmp/old.json ddserve.bench.engine_load $LOAD \
@@ -32,6 +29,8 @@ case ${CALL:?} in
     timeout 150 python3 -m ddserve.bench.engine_load $LOAD --concurrency 64 --profile \
         --configs dflash-b7k4@steps4,dflash-b15k4@adaptive@steps4 --name profiled 2>&1 |
         quiet | table
+    timeout $((590 - SECONDS)) python3 -m pytest -q -p no:cacheprovider tests/engine -k cuda 2>&1 |
+        tail -4 | tee $OUT/gpu_tests.txt
     ;;
 esac
 echo "done at ${SECONDS}s"
