@@ -7,8 +7,8 @@
 # `CALL=N bash bench/lease/s36.sh`, back to back:
 #   1  carry .carry/r1 .whl
 #   2  carry .carry/r2
-#   3  carry .carry/r3        C=16/64, 16 waves, share 0.5: old catch-up (b0, adaptive), new (C=1 too)
-#                             (AR, b0, b7, adaptive), then under cProfile at C=64 (b7, adaptive);
+#   3  carry .carry/r3        16 waves, share 0.5: old catch-up (b0, adaptive; C=64), new (AR, b0,
+#                             b7, adaptive; C=16/64), then adaptive under cProfile at C=64;
 #                             then the GPU tests (tests/engine -k cuda) in the time left
 mkdir -p /root/parts
 cp .carry/r*/* /root/parts/ 2>/dev/null
@@ -20,15 +20,14 @@ case ${CALL:?} in
 [12]) ls -la /root/parts | tail -2 ;;
 3)
     echo '{"engine": {"BATCHED_CATCH_UP": false}}' >/tmp/old.json
-    timeout 150 python3 -m ddserve.bench.tuned /tmp/old.json ddserve.bench.engine_load $LOAD \
-        --concurrency 16,64 --configs dflash-b0@steps4,dflash-b15k4@adaptive@steps4 \
+    timeout 100 python3 -m ddserve.bench.tuned /tmp/old.json ddserve.bench.engine_load $LOAD \
+        --concurrency 64 --configs dflash-b0@steps4,dflash-b15k4@adaptive@steps4 \
         --name old_catch_up 2>&1 | quiet | table
-    timeout 250 python3 -m ddserve.bench.engine_load $LOAD --concurrency 1,16,64 \
+    timeout 200 python3 -m ddserve.bench.engine_load $LOAD --concurrency 16,64 \
         --configs ar@steps4,dflash-b0@steps4,dflash-b7k4@steps4,dflash-b15k4@adaptive@steps4 \
         --name catch_up 2>&1 | quiet | table
-    timeout 150 python3 -m ddserve.bench.engine_load $LOAD --concurrency 64 --profile \
-        --configs dflash-b7k4@steps4,dflash-b15k4@adaptive@steps4 --name profiled 2>&1 |
-        quiet | table
+    timeout 80 python3 -m ddserve.bench.engine_load $LOAD --concurrency 64 --profile \
+        --configs dflash-b15k4@adaptive@steps4 --name profiled 2>&1 | quiet | table
     timeout $((590 - SECONDS)) python3 -m pytest -q -p no:cacheprovider tests/engine -k cuda 2>&1 |
         tail -4 | tee $OUT/gpu_tests.txt
     ;;
