@@ -10,7 +10,7 @@ import pytest
 from ddserve.config.engine import EngineConfig
 from ddserve.engine.adaptive import EXPLORE_MAX, SpecPolicy, candidates, size_bucket
 from ddserve.engine.runner import EngineRunner
-from tests.engine.test_static_engine import _collect
+from tests.engine.test_static_prefill import _collect
 
 
 def test_candidates_fill_verify_widths_up_to_the_ceiling():
