@@ -135,13 +135,16 @@ def step_timer(runner: EngineRunner) -> dict:
 
 
 def captures(engine) -> int:
-    """CUDA graphs captured so far by every graph cache of the engine."""
-    return getattr(engine, "graph_count", 0)
+    """CUDA graphs captured so far by the engine's graph caches (the target's, the drafter's,
+    the rounds' glue)."""
+    spec = getattr(engine, "spec_graphs", None)
+    return getattr(engine, "graph_count", 0) + (len(spec.graphs) if spec is not None else 0)
 
 
 def profiled(runner: EngineRunner, sink: list):
     """Run the runner's worker loop under cProfile (`--profile`): `sink` gets the profile once
-    the loop ends (at shutdown). The profiler slows the host; compare configs under it."""
+    the loop ends (at shutdown). The profiler slows the host; compare configs under it. From
+    Python 3.12 cProfile sees every thread: the load client's functions come in too."""
     loop = runner._loop
 
     def run():
@@ -265,7 +268,7 @@ def run_config(lm, name, a, prompts, levels) -> dict:
     if runner.policy is not None:
         row["policy_tok_s_per_request"] = runner.policy.snapshot()
     runner.shutdown()
-    if profiles:  # the worker's whole life: warm-up, start-up rounds and every level
+    if profiles:  # the worker's loop: every level (its load and warm-up are not in it)
         row["profile_top"] = top_functions(profiles[0])
     runner.engine = None
     gc.collect()

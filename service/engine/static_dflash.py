@@ -12,8 +12,12 @@ import torch
 from ddserve.engine.attention import FULL, plan
 from ddserve.engine.graphs import GraphCache
 from ddserve.engine.llama import apply_rope, linear
-from ddserve.engine.static import KVPool, Staging, fuse_weights, layer_step
+from ddserve.engine.static import KVPool, Staging, fuse_weights, layer_step, next_bucket
 from ddserve.engine.static_models import glue_compiled
+
+# prompts' context rows written by one catch-up: as a CUDA graph per power of two from
+# CATCH_UP_MIN_ROWS up to CATCH_UP_GRAPH_ROWS (captured at warm-up), eagerly past it
+CATCH_UP_MIN_ROWS, CATCH_UP_GRAPH_ROWS = 16, 4096
 
 
 class StaticDFlash:
@@ -56,6 +60,7 @@ class StaticDFlash:
         )
         self.graphs = GraphCache(graphs, "dflash")
         self.inputs: dict[tuple, torch.Tensor] = {}
+        self.inputs_f: dict[tuple, torch.Tensor] = {}  # the catch-up's feature rows per size
         self.last_key = None  # the last draft's shape (`again`)
         self.staging = Staging()
         # tapped target outputs of each slot's newly committed tokens, copied here right
@@ -64,7 +69,6 @@ class StaticDFlash:
         width = len(c.target_layers) * c.hidden_size
         self.feats = torch.zeros(slots, self.new_rows, width, device=t.device, dtype=t.dtype)
         self.vocab = None if drafter.vocab is None else drafter.vocab.to(drafter.target.device)
-        self._index: torch.Tensor | None = None  # extend_many's per-request integers
 
     @torch.inference_mode()
     def write_only(self, cwpos: np.ndarray) -> None:
@@ -82,10 +86,13 @@ class StaticDFlash:
         self.graphs.run(key, fn)
 
     def _inputs(self, key: tuple) -> torch.Tensor:
-        """Integer inputs of a draft key (B, D, ctx, K) or of a context-only key ("ctx", B)."""
+        """Integer inputs of a draft key (B, D, ctx, K), of a context-only key ("ctx", B) or
+        of a catch-up ("catch_up", rows)."""
         if key not in self.inputs:
             if key[0] == "ctx":  # the context write positions alone
                 n = key[1] * self.new_rows
+            elif key[0] == "catch_up":  # each row's slot and position
+                n = 2 * key[1]
             else:
                 b, depth = key[:2]
                 n = b * self.new_rows + b + 2 * b * (depth + 1) + 2 * b
@@ -106,29 +113,56 @@ class StaticDFlash:
 
     @torch.inference_mode()
     def extend_many(self, slots: list[int], starts: list[int], taps: list[torch.Tensor]) -> None:
-        """`extend` for several slots at once (newcomers whose prompts went in together): one
-        projection over all their rows and one indexed write of every layer's keys and
-        values, where one `extend` each cost a few dozen launches per request (64 newcomers
-        of a wave: ~8% of a budget-0 level's time at 64 requests on the H200, bench/NOTES.md).
-        The rows' slots and positions are made on the device from three small arrays, so
-        the host waits for nothing."""
-        if len(taps) == 1:
-            return self.extend(slots[0], starts[0], taps[0])
-        dev = self.feats.device
+        """`extend` for several slots at once (the prompts that went in since the last draft):
+        one projection over all their rows and one indexed write of every layer's keys and
+        values, padded to a power of two of rows (the padding writes a guard entry), one
+        CUDA graph per size (captured at warm-up). Eager, ~40 launches a call, it was ~10%
+        of the worker's time at 64 requests on an H100 (a newcomer or two a round,
+        bench/NOTES.md). Past CATCH_UP_GRAPH_ROWS rows one `extend` each (long prompts:
+        their prefill dwarfs the launches)."""
         lens = [t.shape[0] for t in taps]
-        n, k = sum(lens), len(taps)
-        if self._index is None:  # each request's slot, start, row count and first row
-            self._index = torch.zeros(4 * self.pool.slots, dtype=torch.long, device=dev)
-        first = np.cumsum([0, *lens[:-1]])
-        self.staging.copy(
-            self._index, np.concatenate([slots, starts, lens, first]).astype(np.int64)
-        )
-        slot, start, count, offset = self._index[: 4 * k].view(4, k)
-        which = torch.repeat_interleave(torch.arange(k, device=dev), count, output_size=n)
-        wpos = start[which] + torch.arange(n, device=dev) - offset[which]
-        feats = torch.cat(taps).to(self.d.target.dtype)
-        entries = self._context_entries(feats, wpos[None])[0]  # [N, 2, layers, kvh, hd]
-        self.pool.kv[:, :, slot[which], :, wpos] = entries
+        n = sum(lens)
+        if n > CATCH_UP_GRAPH_ROWS:
+            for slot, start, t in zip(slots, starts, taps, strict=True):
+                self.extend(slot, start, t)
+            return
+        nb = next_bucket(n, CATCH_UP_MIN_ROWS, CATCH_UP_GRAPH_ROWS)
+        rows = np.full(nb, slots[0], dtype=np.int64)
+        pos = np.full(nb, self.pool.max_len - 1, dtype=np.int64)  # the padding's: a guard entry
+        rows[:n] = np.repeat(slots, lens)
+        pos[:n] = np.concatenate([np.arange(s, s + k) for s, k in zip(starts, lens, strict=True)])
+        self._write_rows(rows, pos, taps)
+
+    def _write_rows(self, rows: np.ndarray, pos: np.ndarray, taps: list[torch.Tensor]) -> None:
+        """Write the context entries of `taps` (their rows in order, then padding) at slots
+        `rows` and positions `pos`, as the graph of that many rows."""
+        nb = rows.size
+        key = ("catch_up", nb)
+        inp = self._inputs(key)
+        self.staging.copy(inp, np.concatenate([rows, pos]))
+        if key not in self.inputs_f:  # zeros at first: the padding rows stay finite
+            shape = (nb, self.feats.shape[-1])
+            self.inputs_f[key] = torch.zeros(
+                shape, device=self.feats.device, dtype=self.feats.dtype
+            )
+        feats = self.inputs_f[key]
+        if taps:
+            n = sum(t.shape[0] for t in taps)
+            torch.cat([t.to(feats.dtype) for t in taps], out=feats[:n])
+
+        def fn():  # reads only buffers that live on (the graph's inputs)
+            slot, wpos = inp.view(2, nb)
+            entries = self._context_entries(feats, wpos[None])[0]  # [N, 2, layers, kvh, hd]
+            self.pool.kv[:, :, slot, :, wpos] = entries
+
+        self.graphs.run(key, fn)
+
+    def warm_up_catch_up(self) -> None:
+        """Capture the catch-up's graph of every size, writing only a guard entry of slot 0."""
+        nb = CATCH_UP_MIN_ROWS
+        while nb <= CATCH_UP_GRAPH_ROWS:
+            self._write_rows(np.zeros(nb, np.int64), np.full(nb, self.pool.max_len - 1), [])
+            nb *= 2
 
     def _context_kv(self, taps, wpos):
         """Per drafter layer, the context keys (RoPE applied) and values [N, kvh, hd] of the

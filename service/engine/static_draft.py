@@ -25,8 +25,9 @@ from ddserve.engine.static_dflash import pack_draft
 from ddserve.engine.tree import DeviceTrees, Tree, build_tree, build_tree_top, size_bound
 from ddserve.errors import EngineError
 
-# newcomers' drafter context in one write a round (StaticDFlash.extend_many); False: one
-# `extend` each, as before 2026-12-07 (benchmarks' switch, bench.tuned's engine knobs)
+# newcomers' drafter context in one write a round (StaticDFlash.extend_many: a CUDA graph per
+# padded size); False: one eager `extend` each, as before 2026-12-07 (benchmarks' switch,
+# bench.tuned's engine knobs)
 BATCHED_CATCH_UP = True
 
 
@@ -165,17 +166,16 @@ class Drafting:
         newcomer of the round in one write (`StaticDFlash.extend_many`)."""
         if not seqs:
             return
-        taps = []
-        for seq in seqs:
-            taps.append(
-                seq.hidden_new[0] if len(seq.hidden_new) == 1 else torch.cat(seq.hidden_new)
-            )
-            seq.hidden_new.clear()
+        taps = [
+            seq.hidden_new[0] if len(seq.hidden_new) == 1 else torch.cat(seq.hidden_new)
+            for seq in seqs
+        ]
         slots, starts = [seq.cache.slot for seq in seqs], [seq.draft_state for seq in seqs]
         if BATCHED_CATCH_UP:
             self.sdraft.extend_many(slots, starts, taps)
         else:
             for slot, start, t in zip(slots, starts, taps, strict=True):
                 self.sdraft.extend(slot, start, t)
-        for seq, t in zip(seqs, taps, strict=True):
+        for seq, t in zip(seqs, taps, strict=True):  # written: a write that raised kept them
+            seq.hidden_new.clear()
             seq.draft_state += t.shape[0]

@@ -83,6 +83,7 @@ class StartUp:
             wn = self.sdraft.new_rows
             for b in bucket_sizes(self.pool.slots):
                 self.sdraft.write_only(np.tile(np.arange(ml - wn, ml), (b, 1)))
+            self.sdraft.warm_up_catch_up()  # prompts' context rows, every size
         keys = set()  # the draft graphs' keys but batch size and context
         for budget in budgets if self.sdraft is not None else ():
             depth = self.block_depth(budget)
