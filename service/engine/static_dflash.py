@@ -60,7 +60,7 @@ class StaticDFlash:
         )
         self.graphs = GraphCache(graphs, "dflash")
         self.inputs: dict[tuple, torch.Tensor] = {}
-        self.inputs_f: dict[tuple, torch.Tensor] = {}  # the catch-up's feature rows per size
+        self.catch_up_feats: torch.Tensor | None = None  # the catch-up's feature rows
         self.last_key = None  # the last draft's shape (`again`)
         self.staging = Staging()
         # tapped target outputs of each slot's newly committed tokens, copied here right
@@ -122,6 +122,8 @@ class StaticDFlash:
         their prefill dwarfs the launches)."""
         lens = [t.shape[0] for t in taps]
         n = sum(lens)
+        if not n:
+            return
         if n > CATCH_UP_GRAPH_ROWS:
             for slot, start, t in zip(slots, starts, taps, strict=True):
                 self.extend(slot, start, t)
@@ -140,12 +142,11 @@ class StaticDFlash:
         key = ("catch_up", nb)
         inp = self._inputs(key)
         self.staging.copy(inp, np.concatenate([rows, pos]))
-        if key not in self.inputs_f:  # zeros at first: the padding rows stay finite
-            shape = (nb, self.feats.shape[-1])
-            self.inputs_f[key] = torch.zeros(
-                shape, device=self.feats.device, dtype=self.feats.dtype
-            )
-        feats = self.inputs_f[key]
+        if self.catch_up_feats is None:  # zeros at first: the padding rows stay finite
+            shape = (CATCH_UP_GRAPH_ROWS, self.feats.shape[-1])
+            dev, dtype = self.feats.device, self.feats.dtype
+            self.catch_up_feats = torch.zeros(shape, device=dev, dtype=dtype)
+        feats = self.catch_up_feats[:nb]  # every size's rows at one address
         if taps:
             n = sum(t.shape[0] for t in taps)
             torch.cat([t.to(feats.dtype) for t in taps], out=feats[:n])
