@@ -33,7 +33,7 @@ ENGINE_KNOBS = {
     "SPEC_GLUE_COMPILED": "static_spec",
     "CAPTURE_STREAM_WARM_UP": "graphs",
     "JOIN_BESIDE_TRIP": "rounds",
-    "BATCHED_CATCH_UP": "static_draft",
+    "CATCH_UP_GRAPH_ROWS": "static_dflash",
 }
 
 

@@ -3,7 +3,7 @@
 # H100), and its loss is inside step_batch; under cProfile at C=64 the newcomers' drafter
 # context writes (a newcomer or two a round, ~40 eager launches each) took ~10% of the
 # worker's time. They are now one CUDA graph per padded size (StaticDFlash.extend_many),
-# captured at warm-up. Side by side in one call: the old eager write (BATCHED_CATCH_UP off)
+# captured at warm-up. Side by side in one call: the old eager write (CATCH_UP_GRAPH_ROWS 0)
 # against the graph, DFlash b0; then AR, b0, b7 and adaptive at C=1/2/16/64; then the GPU
 # tests in the time left.
 # `PACK=1 bash bench/lease/s37.sh` here first (.whl and the GGUF in three parts, .carry/r1..3),
@@ -33,7 +33,7 @@ LOAD="--device cuda --requests 32 --waves 16 --max-tokens 128 --prompt-set heldo
 case ${CALL:?} in
 [12]) ls -la /root/parts | tail -2 ;;
 3)
-    echo '{"engine": {"BATCHED_CATCH_UP": false}}' >/tmp/old.json
+    echo '{"engine": {"CATCH_UP_GRAPH_ROWS": 0}}' >/tmp/old.json
     timeout 150 python3 -m ddserve.bench.tuned /tmp/old.json ddserve.bench.engine_load $LOAD \
         --concurrency 16,64 --configs dflash-b0@steps4 --name old_catch_up 2>&1 | quiet | table
     timeout 300 python3 -m ddserve.bench.engine_load $LOAD --concurrency 1,2,16,64 \

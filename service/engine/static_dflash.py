@@ -16,7 +16,9 @@ from ddserve.engine.static import KVPool, Staging, fuse_weights, layer_step, nex
 from ddserve.engine.static_models import glue_compiled
 
 # prompts' context rows written by one catch-up: as a CUDA graph per power of two from
-# CATCH_UP_MIN_ROWS up to CATCH_UP_GRAPH_ROWS (captured at warm-up), eagerly past it
+# CATCH_UP_MIN_ROWS up to CATCH_UP_GRAPH_ROWS (captured at warm-up), eagerly past it, one
+# `extend` a prompt (0: always so, as before 2026-12-07: benchmarks' switch, bench.tuned's
+# engine knobs)
 CATCH_UP_MIN_ROWS, CATCH_UP_GRAPH_ROWS = 16, 4096
 
 

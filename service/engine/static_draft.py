@@ -25,11 +25,6 @@ from ddserve.engine.static_dflash import pack_draft
 from ddserve.engine.tree import DeviceTrees, Tree, build_tree, build_tree_top, size_bound
 from ddserve.errors import EngineError
 
-# newcomers' drafter context in one write a round (StaticDFlash.extend_many: a CUDA graph per
-# padded size); False: one eager `extend` each, as before 2026-12-07 (benchmarks' switch,
-# bench.tuned's engine knobs)
-BATCHED_CATCH_UP = True
-
 
 class Drafting:
     """StaticEngine's draft step (a mixin: it reads the engine's pool, target, drafter,
@@ -171,11 +166,7 @@ class Drafting:
             for seq in seqs
         ]
         slots, starts = [seq.cache.slot for seq in seqs], [seq.draft_state for seq in seqs]
-        if BATCHED_CATCH_UP:
-            self.sdraft.extend_many(slots, starts, taps)
-        else:
-            for slot, start, t in zip(slots, starts, taps, strict=True):
-                self.sdraft.extend(slot, start, t)
+        self.sdraft.extend_many(slots, starts, taps)
         for seq, t in zip(seqs, taps, strict=True):  # written: a write that raised kept them
             seq.hidden_new.clear()
             seq.draft_state += t.shape[0]
