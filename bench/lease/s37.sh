@@ -11,6 +11,7 @@
 #   1  carry .carry/r1 .whl
 #   2  carry .carry/r2
 #   3  carry .carry/r3
+#   4  (no carry) the profile of adaptive against b7 at C=64; the GPU tests call 3 left
 if [ -n "${PACK:-}" ]; then  # here: `PACK=1 bash bench/lease/s37.sh` (NO_RAY=1 device_pack: .whl)
     set -e
     NO_RAY=1 bash bench/device_pack.sh >/dev/null
@@ -33,6 +34,8 @@ LOAD="--device cuda --requests 32 --waves 16 --max-tokens 128 --prompt-set heldo
 case ${CALL:?} in
 [12]) ls -la /root/parts | tail -2 ;;
 3)
+    timeout 120 python3 -m pytest -q -p no:cacheprovider tests/engine/test_static_engine.py \
+        -k "catch_up and cuda" 2>&1 | tail -2 | tee $OUT/gpu_catch_up_test.txt
     echo '{"engine": {"CATCH_UP_GRAPH_ROWS": 0}}' >/tmp/old.json
     timeout 150 python3 -m ddserve.bench.tuned /tmp/old.json ddserve.bench.engine_load $LOAD \
         --concurrency 16,64 --configs dflash-b0@steps4 --name old_catch_up 2>&1 | quiet | table
@@ -41,6 +44,13 @@ case ${CALL:?} in
         --name catch_up 2>&1 | quiet | table
     timeout $((590 - SECONDS)) python3 -m pytest -q -p no:cacheprovider tests/engine -k cuda 2>&1 |
         tail -4 | tee $OUT/gpu_tests.txt
+    ;;
+4)  # at once after 3, if time is left: where adaptive loses to fixed b7 at C=64 (cProfile)
+    timeout 240 python3 -m ddserve.bench.engine_load $LOAD --concurrency 64 --profile \
+        --configs dflash-b7k4@steps4,dflash-b15k4@adaptive@steps4 --name profile 2>&1 | quiet | table
+    # the test files in reverse order: call 3 ran them forward until its time ran out
+    timeout $((590 - SECONDS)) python3 -m pytest -q -p no:cacheprovider -k cuda \
+        $(ls tests/engine/test_*.py | sort -r) 2>&1 | tail -4 | tee $OUT/gpu_tests_rest.txt
     ;;
 esac
 echo "done at ${SECONDS}s"

@@ -574,24 +574,27 @@ def test_split_k_counters_stay_zero_whatever_graph_replays_cuda_bf16():
             assert all(int(c.count_nonzero()) == 0 for c in counters), key
 
 
-def test_newcomers_catch_up_in_one_write_as_one_by_one(tiny, monkeypatch):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=cuda)])
+def test_newcomers_catch_up_in_one_write_as_one_by_one(tiny, device, monkeypatch):
     """Several prompts' drafter context in one write (`StaticDFlash.extend_many`: one
     projection, one indexed write of rows padded to a power of two) leaves the pool as one
     `extend` each would, and touches nothing else but the first slot's last (guard) entry
     (the pool starts random, so a stray write shows); past CATCH_UP_GRAPH_ROWS rows, one
-    `extend` each."""
+    `extend` each. On CUDA: graphs on (the write runs as its size's graph over the shared
+    feature buffer)."""
     from ddserve.engine import static_dflash
 
+    model = tiny if device == "cpu" else random_llama(tiny_config(vocab_size=512), seed=3).cuda()
     eng = StaticEngine(
-        tiny, DFlashDrafter(random_dflash(tiny), tiny), 6, (), slots=4, max_context=256,
-        graphs=False,
+        model, DFlashDrafter(random_dflash(model), model), 6, (), slots=4, max_context=256,
+        graphs=device == "cuda",
     )  # fmt: skip
     sd = eng.sdraft
     ml = sd.pool.max_len
     gen = torch.Generator().manual_seed(2)
-    start = torch.randn(sd.pool.kv.shape, generator=gen)
+    start = torch.randn(sd.pool.kv.shape, generator=gen).to(sd.pool.kv)
     width = sd.feats.shape[-1]
-    taps = [torch.randn(n, width, generator=gen) for n in (37, 2, 90)]  # 129: 256 rows
+    taps = [torch.randn(n, width, generator=gen).to(sd.feats) for n in (37, 2, 90)]  # 256 rows
     slots, starts = [3, 0, 1], [0, 12, 4]
     sd.pool.kv.copy_(start)
     for slot, at, t in zip(slots, starts, taps, strict=True):
@@ -606,9 +609,11 @@ def test_newcomers_catch_up_in_one_write_as_one_by_one(tiny, monkeypatch):
         sd.extend_many(slots, starts, taps)
         assert len(extends) == calls  # padded rows in one write, or past the limit one each
         kv = sd.pool.kv
-        guard = torch.zeros(kv.shape[:5], dtype=torch.bool)
+        guard = torch.zeros(kv.shape[:5], dtype=torch.bool, device=kv.device)
         guard[:, :, 3, :, ml - 1] = calls == 0  # the padding's entry, only with padding
         diff = (one_by_one - kv).abs().amax(-1)
         assert diff[~guard].max() < 1e-5, limit
+    if device == "cuda":  # the write of 256 rows ran as its graph (a failed capture: eager)
+        assert sd.graphs.enabled and ("catch_up", 256) in sd.graphs.graphs
     assert (one_by_one - start)[:, :, 1, :, 4:94].abs().amin() > 0  # written where asked
     assert torch.equal(one_by_one[:, :, 2], start[:, :, 2])  # the slot no prompt took
