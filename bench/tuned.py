@@ -34,6 +34,7 @@ ENGINE_KNOBS = {
     "CAPTURE_STREAM_WARM_UP": "graphs",
     "JOIN_BESIDE_TRIP": "rounds",
     "CATCH_UP_GRAPH_ROWS": "static_dflash",
+    "BUFFERED_ROWS": "static_dflash",
 }
 
 

@@ -84,7 +84,7 @@ class Accepting:
                         moves[2].append(n0 + i)
                 if sd is not None:
                     src += [slot * w + i for i in keep]
-                    at = slot * sd.new_rows + seq.pending
+                    at = slot * sd.rows + seq.pending
                     dst += [at + j for j in range(len(keep))]
             idx = np.array([*moves[0], *moves[1], *moves[2], *dst, *src], np.int64)
             return idx, len(moves[0]), len(dst)
@@ -100,7 +100,7 @@ class Accepting:
         ]
         if sd is not None:
             pending = np.fromiter((seq.pending for seq in seqs), np.int64, len(seqs))
-            at = rows * sd.new_rows + pending
+            at = rows * sd.rows + pending
             parts += [(at[:, None] + j)[kept], (rows[:, None] * w + keep)[kept]]
         m = int(kept.sum()) if sd is not None else 0
         return np.concatenate(parts), int(moved.sum()), m

@@ -20,6 +20,13 @@ from ddserve.engine.static_models import glue_compiled
 # `extend` a prompt (0: always so, as before 2026-12-07: benchmarks' switch, bench.tuned's
 # engine knobs)
 CATCH_UP_MIN_ROWS, CATCH_UP_GRAPH_ROWS = 16, 4096
+# feature rows a slot buffers (at least a draft's `new_rows`): budget-0 rounds put a row a
+# step there and write them as the drafter's context only when they are full (or before the
+# next draft). At 9 rows (one block + 1, the buffer a draft needs) a 4-step trip wrote every
+# second trip (~40 launches over every slot's rows, host and GPU idle between trips), part
+# of what kept the DFlash engine's budget-0 rounds at ~0.94x the drafter-free engine on the
+# H100 (bench/NOTES.md). 0: a draft's rows (as before 2026-12-07; bench.tuned's switch)
+BUFFERED_ROWS = 32
 
 
 class StaticDFlash:
@@ -54,9 +61,10 @@ class StaticDFlash:
             fuse_weights(layer)
         self.c = c = net.c
         self.block = c.block_size
-        # feature rows a slot buffers: one round's root + accepted path at most, or the
-        # roots of budget-0 rounds, which defer the context write until the rows are full
+        # feature rows a draft writes as context: one round's root + accepted path at most
         self.new_rows = c.block_size + 1
+        # rows a slot buffers: also budget-0 rounds' roots, written when full (BUFFERED_ROWS)
+        self.rows = max(self.new_rows, BUFFERED_ROWS)
         self.pool = KVPool(
             c, c.num_layers, slots, max_len, guard, drafter.target.device, drafter.target.dtype
         )
@@ -69,13 +77,14 @@ class StaticDFlash:
         # after the verify that produced them; the next draft writes their keys/values
         t = drafter.target
         width = len(c.target_layers) * c.hidden_size
-        self.feats = torch.zeros(slots, self.new_rows, width, device=t.device, dtype=t.dtype)
+        self.feats = torch.zeros(slots, self.rows, width, device=t.device, dtype=t.dtype)
         self.vocab = None if drafter.vocab is None else drafter.vocab.to(drafter.target.device)
 
     @torch.inference_mode()
     def write_only(self, cwpos: np.ndarray) -> None:
         """Write the buffered context entries without a draft (budget-0 rounds, once a
-        slot's feature rows are full)."""
+        slot's feature rows are full, or before a draft its rows would not fit): `cwpos`
+        [B, rows]."""
         b = cwpos.shape[0]
         key = ("ctx", b)
         inp = self._inputs(key)
@@ -92,7 +101,7 @@ class StaticDFlash:
         of a catch-up ("catch_up", rows)."""
         if key not in self.inputs:
             if key[0] == "ctx":  # the context write positions alone
-                n = key[1] * self.new_rows
+                n = key[1] * self.rows
             elif key[0] == "catch_up":  # each row's slot and position
                 n = 2 * key[1]
             else:
@@ -255,7 +264,7 @@ class StaticDFlash:
         bpos = take(b * q)
         lens, window = take(b), take(b)
         rows = torch.arange(b, device=inp.device)
-        self._write_context(self.feats[:b].flatten(0, 1), rows, cwpos)
+        self._write_context(self.feats[:b, :wn].reshape(b * wn, -1), rows, cwpos)
         x, cos, sin = self.block_inputs(root, bpos, depth)
         groups = c.num_heads // c.num_kv_heads
         attn = plan(self.attention, lens, FULL, None, q, ctx, groups, x.dtype, window)

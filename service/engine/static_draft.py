@@ -6,7 +6,8 @@ sequence's tree for the verify.
     (ddserve.engine.tree_triton) and stay there for the verify, or on the host from the
     copied top-k (`build_tree_top`)
   * budget 0 with DFlash: no draft; the context write waits until a slot's feature rows are
-    full (they hold one round's root + accepted path, or many budget-0 roots)
+    full (they hold one round's root + accepted path, or many budget-0 roots:
+    static_dflash.BUFFERED_ROWS) or a draft comes whose context write would not take them
   * other drafters draft on their own (`draft`: per-depth log-probs), trees on the host
 """
 
@@ -75,10 +76,11 @@ class Drafting:
             self.timing["draft_s"] += time.perf_counter() - t0
             return trees
         sd = self.sdraft
+        self._write_pending(seqs, 0, sd.new_rows)  # budget-0 rows the draft would not take
         b = next_bucket(self.pool.used_rows, 1, self.pool.slots)
         q, ml = depth + 1, self.pool.max_len
         slots, root_pos = self._rows(seqs)  # root_pos: the context once fed
-        cwpos, fed = self._feed_context(seqs, b, slots, root_pos)
+        cwpos, fed = self._feed_context(seqs, b, slots, root_pos, sd.new_rows)
         root = np.zeros(b, dtype=np.int64)
         bwpos = np.tile(np.arange(ml - q, ml), (b, 1))
         bpos = np.zeros((b, q), dtype=np.int64)
@@ -111,22 +113,24 @@ class Drafting:
         self.timing["tree_s"] += time.perf_counter() - t1
         return trees
 
-    def _write_pending(self, seqs: list[Sequence], rows: int) -> None:
+    def _write_pending(self, seqs: list[Sequence], rows: int, limit: int | None = None) -> None:
         """Budget-0 rounds defer the drafter's context write: write every sequence's
-        pending feature rows where one's would not hold `rows` more."""
+        pending feature rows where one's would not hold `rows` more within `limit` (the
+        buffer's rows; a draft's context write, before a draft)."""
         sd = self.sdraft
-        if sd is not None and any(seq.pending + rows > sd.new_rows for seq in seqs):
+        limit = sd.rows if sd is not None and limit is None else limit
+        if sd is not None and any(seq.pending + rows > limit for seq in seqs):
             b = next_bucket(self.pool.used_rows, 1, self.pool.slots)
-            cwpos, fed = self._feed_context(seqs, b, *self._rows(seqs))
+            cwpos, fed = self._feed_context(seqs, b, *self._rows(seqs), sd.rows)
             sd.write_only(cwpos)
             self._fed(fed)
 
-    def _feed_context(self, seqs: list[Sequence], b: int, slots, want):
+    def _feed_context(self, seqs: list[Sequence], b: int, slots, want, wn: int):
         """Where each sequence's pending feature rows go in the drafter's pool (context write
-        positions [B, new_rows], unused rows to the guard entries), and each one's context
+        positions [B, wn], unused rows to the guard entries), and each one's context
         length once they are written: `_fed` records it after the write is queued, so a draft
         that raises leaves the rows pending for the retry. `slots`, `want`: `_rows(seqs)`."""
-        wn, ml = self.sdraft.new_rows, self.pool.max_len
+        ml = self.pool.max_len
         self._catch_up([seq for seq in seqs if seq.hidden_new])
         start = np.fromiter((seq.draft_state for seq in seqs), np.int64, len(seqs))
         fed = start + np.fromiter((seq.pending for seq in seqs), np.int64, len(seqs))

@@ -145,7 +145,17 @@ class SpecSteps:
         moves, nxt, record = self._spec_run(
             ("glue", tkey, dkey, window, ptr, taps.data_ptr()),
             lambda: glue_fn(
-                trees, tg, taps, state, sd.feats, dinp, pool.kv_heads, ml, depth, window
+                trees,
+                tg,
+                taps,
+                state,
+                sd.feats,
+                sd.new_rows,
+                dinp,
+                pool.kv_heads,
+                ml,
+                depth,
+                window,
             ),
         )
         pool.move_entries(moves[0], moves[1])
@@ -264,10 +274,11 @@ def fill_verify(inp: torch.Tensor, trees: DeviceTrees, state: torch.Tensor, ml: 
     inp.copy_(torch.cat([t.reshape(-1) for t in parts]))
 
 
-def round_glue(trees, tg, taps, state, feats, dinp, kv_heads: int, ml: int, depth, window):
+def round_glue(trees, tg, taps, state, feats, wn: int, dinp, kv_heads: int, ml: int, depth, window):
     """A round's accept on the device: each row's path and bonus (`accept_device` on the
     target's choices `tg` [3, B W]); the drafter's feature rows of its root + path copied
-    from the verify's `taps` into `feats`; the next draft's inputs written into `dinp`
+    from the verify's `taps` into `feats` [slots, rows, ...] (the next draft writes the first
+    `wn` of a slot); the next draft's inputs written into `dinp`
     (static_dflash.pack_draft's layout). Returns the KV moves [2, B kvh W] (entries'
     indices as KVPool.move_entries takes them: to, from; identity past a path and in rows
     without a request), the rows' next state [2 B] and the round's record. Writes only what
@@ -293,10 +304,10 @@ def round_glue(trees, tg, taps, state, feats, dinp, kv_heads: int, ml: int, dept
     )
     # feature rows 0.. of a slot (the draft just wrote the pending ones): its root + path;
     # rows without a request keep theirs (a request prefilling may hold that slot)
-    wn = feats.shape[1]
+    stride = feats.shape[1]
     jj = min(w, wn)
     flat = feats.flatten(0, 1)
-    to = (rows[:, None] * wn + j[:jj]).reshape(-1)
+    to = (rows[:, None] * stride + j[:jj]).reshape(-1)
     new = taps.index_select(0, (rows[:, None] * w + keep[:, :jj]).reshape(-1))
     keeps = act[:, None].expand(b, jj).reshape(-1, 1)
     flat.index_copy_(0, to, torch.where(keeps, new, flat[to]))

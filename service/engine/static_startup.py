@@ -80,7 +80,7 @@ class StartUp:
         w = self.chunks[0] + 1
         self._guard_chunk(1, w, self.target.ctx_bucket(w))
         if self.sdraft is not None:  # context-only rounds (budget 0)
-            wn = self.sdraft.new_rows
+            wn = self.sdraft.rows
             for b in bucket_sizes(self.pool.slots):
                 self.sdraft.write_only(np.tile(np.arange(ml - wn, ml), (b, 1)))
             self.sdraft.warm_up_catch_up()  # prompts' context rows, every size

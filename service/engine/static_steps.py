@@ -55,7 +55,7 @@ class Steps:
         left = max(seq.sampling.max_tokens - len(seq.output) for seq in seqs)
         pool, target, sd = self.pool, self.target, self.sdraft
         if sd is not None:  # a DFlash drafter at budget 0: a feature row a step, buffered
-            steps = min(steps, sd.new_rows)
+            steps = min(steps, sd.rows)
             self._write_pending(seqs, min(steps, left))
         steps = self.round_steps = max(1, min(steps, left))
         b = next_bucket(pool.used_rows, 1, pool.slots)
@@ -86,7 +86,7 @@ class Steps:
         out = torch.ones((steps, 3, b), dtype=torch.long, device=dev)
         key, inputs = (True, b, 1, ctx), None
         if sd is not None:  # each step's input's tapped row into its slot's next feature row
-            at = slots * sd.new_rows + np.array([seq.pending for seq in seqs], dtype=np.int64)
+            at = slots * sd.rows + np.array([seq.pending for seq in seqs], dtype=np.int64)
             if self._feed is None:  # the feature rows' destinations, then the taps' rows
                 self._feed = torch.zeros(2 * pool.slots, dtype=torch.long, device=dev)
             target.staging.copy(self._feed, np.concatenate([at, slots]))  # no host wait

@@ -246,17 +246,30 @@ def test_logprobs_take_one_round_budgets_may_change_between_calls():
     assert eng.rounds_on_device > 0
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=cuda)])
-def test_budget_zero_calls_take_plain_steps_and_feed_the_drafter(device):
+@pytest.mark.parametrize(
+    "device,buffered",
+    [
+        ("cpu", 0),
+        ("cpu", 32),
+        pytest.param("cuda", 0, marks=cuda),
+        pytest.param("cuda", 32, marks=cuda),
+    ],
+)
+def test_budget_zero_calls_take_plain_steps_and_feed_the_drafter(device, buffered, monkeypatch):
     """Budget-0 calls (adaptive speculation at a large batch, spec_max_batch) run several
     plain steps with a DFlash drafter too. Each step's tapped row reaches the drafter's
-    context (buffered, written before a call its rows would not hold), so the drafts after
-    them are those after as many one-step budget-0 calls: the same answers, accept lengths
-    and drafted nodes, for three requests in one batch (on a GPU under CUDA graphs)."""
+    context (buffered, written before a call its rows would not hold, or before a draft
+    whose context write would not take them), so the drafts after them are those after as
+    many one-step budget-0 calls: the same answers, accept lengths and drafted nodes, for
+    three requests in one batch (on a GPU under CUDA graphs)."""
+    from ddserve.engine import static_dflash
+
+    monkeypatch.setattr(static_dflash, "BUFFERED_ROWS", buffered)
     target, draft = models(8, device)
-    ps, sp = prompts(8)[:3], [SamplingParams(max_tokens=n) for n in (70, 45, 58)]
-    # (budget, steps) a call; a drafter's buffer holds 7 feature rows (block 6 + 1)
+    ps, sp = prompts(8)[:3], [SamplingParams(max_tokens=n) for n in (110, 85, 98)]
+    # (budget, steps) a call; a slot buffers a draft's 7 feature rows (block 6 + 1) or 32
     schedule = [(0, 4), (16, 1), (0, 7), (0, 3), (16, 1), (0, 6), (0, 2), (16, 1), (0, 5)]
+    schedule += [(16, 1), *[(0, 7)] * 6, (16, 1), (0, 3)]  # 42 rows: 32 fill up
     schedule += [(16, 1), (0, 3)] * 8 + [(16, 1)] * 40
     runs = []
     for multi in (False, True):

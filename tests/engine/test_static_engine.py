@@ -245,24 +245,30 @@ def test_spec_max_batch_switches_crowded_rounds_to_plain_decoding():
         runner.shutdown()
 
 
-def test_budget_changing_every_round_with_a_dflash_drafter(tiny):
+@pytest.mark.parametrize("buffered", [0, 32])
+def test_budget_changing_every_round_with_a_dflash_drafter(tiny, buffered, monkeypatch):
     """Rounds whose budget changes (runs of budget-0 rounds, which defer the drafter's context
     write, between drafting rounds of several sizes; adaptive speculation does this) decode
     like the reference engine round for round: the same tokens and accept lengths, so every
-    draft saw its whole context. Two requests share the rounds, one joins late."""
+    draft saw its whole context. Two requests share the rounds, one joins late. A slot buffers
+    a draft's 7 feature rows (block 6 + root) or 32 (BUFFERED_ROWS): budget-0 runs of 12 and
+    40 rounds fill either, and a run of 12 leaves more than a draft's rows to write first."""
+    from ddserve.engine import static_dflash
+
+    monkeypatch.setattr(static_dflash, "BUFFERED_ROWS", buffered)
     draft = random_dflash(tiny)
     ref = ReferenceEngine(tiny, ReferenceDFlash(draft, tiny), 6, ())
     eng = StaticEngine(
         tiny, DFlashDrafter(draft, tiny), 6, (), slots=4, max_context=256, graphs=False
     )
-    # 12 budget-0 rounds in a row overflow the 7 feature rows a slot buffers (block 6 + root)
-    schedule = [8, 0, 0, 3, *[0] * 12, 16, 1, 0, 0, 0, 7, *[0] * 5, 8, 8]
+    assert eng.sdraft.rows == max(7, buffered)
+    schedule = [8, 0, 0, 3, *[0] * 12, 16, 1, 0, 0, 0, 7, *[0] * 5, 8, 8, *[0] * 40, 16]
     outs = []
     for e in (ref, eng):
         trees = record_trees(e)  # the drafts themselves must agree
-        seqs = [e.new_sequence(p, SamplingParams(max_tokens=60)) for p in PROMPTS[:2]]
+        seqs = [e.new_sequence(p, SamplingParams(max_tokens=120)) for p in PROMPTS[:2]]
         e.prefill(seqs[0])
-        for rnd, budget in enumerate(schedule * 3):
+        for rnd, budget in enumerate(schedule * 2):
             if rnd == 5:
                 e.prefill(seqs[1])
             active = [s for s in seqs[: 1 + (rnd >= 5)] if not s.finished]

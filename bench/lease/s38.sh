@@ -1,0 +1,34 @@
+# For the thirty-second session, second lease: budget-0 rounds' feature buffer. s37 (this
+# session's first, results/upkeep/h100-s37/) measured the graph catch-up: DFlash at budget 0
+# went from 0.90-0.91x (s36) to 0.93-0.96x AR's tok/s on the H100. What is left: with a slot's
+# buffer at one draft's rows (block 8 + 1), a 4-step budget-0 trip wrote the drafter's context
+# every second trip. Now a slot buffers static_dflash.BUFFERED_ROWS (32) rows: a write every
+# eighth trip. Side by side in one call: AR and DFlash b0 with the new buffer, b0 with the old
+# (BUFFERED_ROWS 0), then b7 and adaptive (their drafts now read the buffer's first rows), at
+# C=16/64, then the GPU tests of the changed paths. The new buffer's b0 runs first, on the
+# fresh machine (s37's first run there was its slowest): any first-run cost is against it.
+# The pieces are s37's (`PACK=1 bash bench/lease/s37.sh` here), carried the same way:
+#   1  carry .carry/r1 .whl     (CALL=1 bash bench/lease/s38.sh)
+#   2  carry .carry/r2
+#   3  carry .carry/r3          (END=seconds: the GPU tests stop by then; 380 by default)
+case ${CALL:?} in
+[12]) exec bash bench/lease/s37.sh ;;
+esac
+mkdir -p /root/parts
+cp .carry/r*/* /root/parts/ 2>/dev/null
+. bench/device_env.sh /root/parts
+quiet() { grep -v -i -e warn -e transformers -e Convert -e Loading; }
+table() { grep -e "^config" -e "^[ad][a-z0-9@-]* *[0-9]" -e Error | cut -c1-140; }
+LOAD="--device cuda --requests 32 --waves 16 --max-tokens 128 --prompt-set heldout:16 --first-token-share 0.5 --out $OUT"
+echo '{"engine": {"BUFFERED_ROWS": 0}}' >/tmp/old.json
+timeout 120 python3 -m ddserve.bench.engine_load $LOAD --concurrency 16,64 \
+    --configs dflash-b0@steps4,ar@steps4 --name buffer 2>&1 | quiet | table
+timeout 90 python3 -m ddserve.bench.tuned /tmp/old.json ddserve.bench.engine_load $LOAD \
+    --concurrency 16,64 --configs dflash-b0@steps4 --name old_buffer 2>&1 | quiet | table
+timeout 130 python3 -m ddserve.bench.engine_load $LOAD --concurrency 16,64 \
+    --configs dflash-b7k4@steps4,dflash-b15k4@adaptive@steps4 --name buffer_drafting 2>&1 |
+    quiet | table
+timeout $((${END:-380} - SECONDS)) python3 -m pytest -q -p no:cacheprovider -k cuda \
+    tests/engine/test_spec_steps.py tests/engine/test_static_engine.py 2>&1 |
+    tail -4 | tee $OUT/gpu_tests.txt
+echo "done at ${SECONDS}s"
