@@ -22,8 +22,9 @@ first C requests of a level not counted. Per level: output tok/s, requests/s, TT
 inter-round latency p50/p99, tau, and for the static engine the host time per round; where
 the wall time went (the engine's `step_batch` calls, the adaptive policy's, the rest: the
 runner's own work and idle time) and the CUDA graphs captured during the level (first-use
-shapes the warm-up missed). `--profile` runs the engine's worker under cProfile and keeps
-each config's top functions.
+shapes the warm-up missed), and per budget its rounds' ms a round and tokens a request a
+round (`by_budget`: beside the adaptive policy's estimates). `--profile` runs the engine's
+worker under cProfile and keeps each config's top functions.
 `ddserve bench` measures the same through the HTTP server; this isolates the engine.
 Prints a table, writes NAME.json.
 """
@@ -106,17 +107,27 @@ def draft_timer(engine) -> list | None:
 def step_timer(runner: EngineRunner) -> dict:
     """The wall time of the engine's `step_batch` calls and of the adaptive policy's calls,
     summed: the rest of a level's wall time is the runner's own (prompt chunks, scheduling,
-    delivery) or idle."""
-    acc = {"step_s": 0.0, "steps": 0, "policy_s": 0.0}
+    delivery) or idle. Per budget (`by_budget`: calls, rounds, seconds, requests, tokens):
+    what the rounds of each budget cost and made, to set beside the adaptive policy's
+    estimates."""
+    acc = {"step_s": 0.0, "steps": 0, "policy_s": 0.0, "by_budget": {}}
     engine, step = runner.engine, runner.engine.step_batch
 
-    def timed(*args, **kw):
+    def timed(seqs, params, *args, **kw):
         t0 = time.perf_counter()
+        out = None
         try:
-            return step(*args, **kw)
+            out = step(seqs, params, *args, **kw)
+            return out
         finally:
-            acc["step_s"] += time.perf_counter() - t0
+            dt = time.perf_counter() - t0
+            acc["step_s"] += dt
             acc["steps"] += 1
+            made = sum(len(o) for o in out if isinstance(o, list)) if out else 0
+            b = acc["by_budget"].setdefault(params.budget, [0, 0, 0.0, 0, 0])
+            rounds = getattr(engine, "round_steps", 1)
+            b[0], b[1], b[2] = b[0] + 1, b[1] + rounds, b[2] + dt
+            b[3], b[4] = b[3] + len(seqs) * rounds, b[4] + made
 
     engine.step_batch = timed
     if runner.policy is not None:
@@ -220,6 +231,7 @@ def run_config(lm, name, a, prompts, levels) -> dict:
 
         runner.policy.choose = counted
     for c in levels:
+        spent["by_budget"].clear()
         timing0 = dict(getattr(runner.engine, "timing", {}))
         budgets.clear()
         spent0, graphs0 = dict(spent), captures(runner.engine)
@@ -252,6 +264,16 @@ def run_config(lm, name, a, prompts, levels) -> dict:
         lv["outside_step_batch_s"] = round(wall - (spent["step_s"] - spent0["step_s"]), 3)
         lv["policy_ms_per_call"] = round((spent["policy_s"] - spent0["policy_s"]) / steps * 1e3, 4)
         lv["graphs_captured"] = captures(runner.engine) - graphs0
+        # each budget's rounds: ms a round, and tokens a request a round (the policy's gain)
+        lv["by_budget"] = {
+            b: {
+                "rounds": r,
+                "ms_per_round": round(sec / r * 1e3, 3),
+                "tokens_per_request_round": round(made / max(1, reqs), 3),
+                "requests_per_round": round(reqs / r, 1),
+            }
+            for b, (_, r, sec, reqs, made) in sorted(spent["by_budget"].items())
+        }
         if events:
             torch.cuda.synchronize()
             gpu = [s.elapsed_time(e) for s, e in events]
