@@ -7,10 +7,12 @@
 # (BUFFERED_ROWS 0), then b7 and adaptive (their drafts now read the buffer's first rows), at
 # C=16/64, then the GPU tests of the changed paths. The new buffer's b0 runs first, on the
 # fresh machine (s37's first run there was its slowest): any first-run cost is against it.
+# Timeouts: the first engine on a fresh machine took 74 s to be ready (s37), later ones 10-35
+# s; this session's trimmed call 3 gave two configs 115 s and one 85 s and got no result.
 # The pieces are s37's (`PACK=1 bash bench/lease/s37.sh` here), carried the same way:
 #   1  carry .carry/r1 .whl     (CALL=1 bash bench/lease/s38.sh)
 #   2  carry .carry/r2
-#   3  carry .carry/r3          (END=seconds: the GPU tests stop by then; 380 by default)
+#   3  carry .carry/r3          (END=seconds: the GPU tests stop by then; 590 by default)
 case ${CALL:?} in
 [12]) exec bash bench/lease/s37.sh ;;
 esac
@@ -21,14 +23,14 @@ quiet() { grep -v -i -e warn -e transformers -e Convert -e Loading; }
 table() { grep -e "^config" -e "^[ad][a-z0-9@-]* *[0-9]" -e Error | cut -c1-140; }
 LOAD="--device cuda --requests 32 --waves 16 --max-tokens 128 --prompt-set heldout:16 --first-token-share 0.5 --out $OUT"
 echo '{"engine": {"BUFFERED_ROWS": 0}}' >/tmp/old.json
-timeout 120 python3 -m ddserve.bench.engine_load $LOAD --concurrency 16,64 \
+timeout 200 python3 -m ddserve.bench.engine_load $LOAD --concurrency 16,64 \
     --configs dflash-b0@steps4,ar@steps4 --name buffer 2>&1 | quiet | table
-timeout 90 python3 -m ddserve.bench.tuned /tmp/old.json ddserve.bench.engine_load $LOAD \
+timeout 130 python3 -m ddserve.bench.tuned /tmp/old.json ddserve.bench.engine_load $LOAD \
     --concurrency 16,64 --configs dflash-b0@steps4 --name old_buffer 2>&1 | quiet | table
-timeout 130 python3 -m ddserve.bench.engine_load $LOAD --concurrency 16,64 \
+timeout 170 python3 -m ddserve.bench.engine_load $LOAD --concurrency 16,64 \
     --configs dflash-b7k4@steps4,dflash-b15k4@adaptive@steps4 --name buffer_drafting 2>&1 |
     quiet | table
-timeout $((${END:-380} - SECONDS)) python3 -m pytest -q -p no:cacheprovider -k cuda \
+timeout $((${END:-590} - SECONDS)) python3 -m pytest -q -p no:cacheprovider -k cuda \
     tests/engine/test_spec_steps.py tests/engine/test_static_engine.py 2>&1 |
     tail -4 | tee $OUT/gpu_tests.txt
 echo "done at ${SECONDS}s"
