@@ -123,11 +123,12 @@ def step_timer(runner: EngineRunner) -> dict:
             dt = time.perf_counter() - t0
             acc["step_s"] += dt
             acc["steps"] += 1
-            made = sum(len(o) for o in out if isinstance(o, list)) if out else 0
-            b = acc["by_budget"].setdefault(params.budget, [0, 0, 0.0, 0, 0])
-            rounds = getattr(engine, "round_steps", 1)
-            b[0], b[1], b[2] = b[0] + 1, b[1] + rounds, b[2] + dt
-            b[3], b[4] = b[3] + len(seqs) * rounds, b[4] + made
+            if out is not None:  # a call that raised ran no round of its own
+                made = sum(len(o) for o in out if isinstance(o, list))
+                b = acc["by_budget"].setdefault(params.budget, [0, 0, 0.0, 0, 0])
+                rounds = getattr(engine, "round_steps", 1)
+                b[0], b[1], b[2] = b[0] + 1, b[1] + rounds, b[2] + dt
+                b[3], b[4] = b[3] + len(seqs) * rounds, b[4] + made
 
     engine.step_batch = timed
     if runner.policy is not None:

@@ -14,6 +14,7 @@ from ddserve.engine.graphs import GraphCache
 from ddserve.engine.llama import apply_rope, linear
 from ddserve.engine.static import KVPool, Staging, fuse_weights, layer_step, next_bucket
 from ddserve.engine.static_models import glue_compiled
+from ddserve.errors import EngineError
 
 # prompts' context rows written by one catch-up: as a CUDA graph per power of two from
 # CATCH_UP_MIN_ROWS up to CATCH_UP_GRAPH_ROWS (captured at warm-up), eagerly past it, one
@@ -65,6 +66,8 @@ class StaticDFlash:
         self.new_rows = c.block_size + 1
         # rows a slot buffers: also budget-0 rounds' roots, written when full (BUFFERED_ROWS)
         self.rows = max(self.new_rows, BUFFERED_ROWS)
+        if self.rows > guard:  # a write's unused rows go to guard entries: never past them
+            raise EngineError(f"{self.rows} buffered DFlash feature rows; the guard has {guard}")
         self.pool = KVPool(
             c, c.num_layers, slots, max_len, guard, drafter.target.device, drafter.target.dtype
         )

@@ -259,21 +259,26 @@ def test_budget_zero_calls_take_plain_steps_and_feed_the_drafter(device, buffere
     """Budget-0 calls (adaptive speculation at a large batch, spec_max_batch) run several
     plain steps with a DFlash drafter too. Each step's tapped row reaches the drafter's
     context (buffered, written before a call its rows would not hold, or before a draft
-    whose context write would not take them), so the drafts after them are those after as
-    many one-step budget-0 calls: the same answers, accept lengths and drafted nodes, for
-    three requests in one batch (on a GPU under CUDA graphs)."""
+    whose context write would not take them: a one-round draft or rounds a trip on the
+    device), so the drafts after them are those after as many one-step budget-0 calls and
+    the reference engine's: the same answers and accept lengths (and, against one-step
+    calls, drafted nodes), for three requests in one batch (on a GPU under CUDA graphs)."""
     from ddserve.engine import static_dflash
 
     monkeypatch.setattr(static_dflash, "BUFFERED_ROWS", buffered)
     target, draft = models(8, device)
     ps, sp = prompts(8)[:3], [SamplingParams(max_tokens=n) for n in (110, 85, 98)]
     # (budget, steps) a call; a slot buffers a draft's 7 feature rows (block 6 + 1) or 32
-    schedule = [(0, 4), (16, 1), (0, 7), (0, 3), (16, 1), (0, 6), (0, 2), (16, 1), (0, 5)]
-    schedule += [(16, 1), *[(0, 7)] * 6, (16, 1), (0, 3)]  # 42 rows: 32 fill up
-    schedule += [(16, 1), (0, 3)] * 8 + [(16, 1)] * 40
-    runs = []
-    for multi in (False, True):
-        eng = engine(target, draft, 1)
+    schedule = [(0, 4), (16, 1), (0, 7), (0, 3), (16, 3), (0, 6), (0, 2), (16, 1), (0, 5)]
+    schedule += [(16, 1), *[(0, 7)] * 6, (16, 3), (0, 3)]  # 42 rows: 32 fill up
+    schedule += [(16, 3), (0, 3)] * 8 + [(16, 1)] * 40
+    runs, contexts = [], []
+    for mode in ("one", "multi", "reference"):
+        multi = mode == "multi"
+        if mode == "reference":  # one round a call, drafts of its own (ReferenceDFlash)
+            eng = ReferenceEngine(target, ReferenceDFlash(draft, target), 6, ())
+        else:
+            eng = engine(target, draft, 1)
         seqs = [eng.new_sequence(p, s) for p, s in zip(ps, sp, strict=True)]
         for seq in seqs:
             eng.prefill(seq)
@@ -282,19 +287,31 @@ def test_budget_zero_calls_take_plain_steps_and_feed_the_drafter(device, buffere
             params = LiveParams(budget=budget, topk=4)
             for _ in range(1 if multi else steps):
                 if live := [seq for seq in seqs if not seq.finished]:
-                    out = eng.step_batch(live, params, steps if multi else 1)
+                    if mode == "reference":
+                        out = eng.step_batch(live, params)
+                    else:
+                        out = eng.step_batch(live, params, steps if multi else 1)
+                        most = max(most, eng.round_steps)
                     assert not any(isinstance(o, Exception) for o in out)
-                    most = max(most, eng.round_steps)
         assert all(seq.finished for seq in seqs)
         runs.append(seqs)
-        assert (most > 1) == multi and eng.free_slots == 8 - 3
+        if mode != "reference":
+            assert (most > 1) == multi and eng.free_slots == 8 - 3
+            # the drafter's context as written (rounds a trip write theirs on the device)
+            kv = eng.sdraft.pool.kv
+            contexts.append([kv[:, :, s.cache.slot, :, : s.draft_state].cpu() for s in seqs])
     ref = ReferenceEngine(target, ReferenceDFlash(draft, target), 6, ())
     want = [ref.generate(p, s, LiveParams(budget=0)).output for p, s in zip(ps, sp, strict=True)]
-    one, multi = runs
+    one, multi, reference = runs
     assert [s.output for s in multi] == [s.output for s in one] == want
-    assert [s.stats.accept_lengths for s in multi] == [s.stats.accept_lengths for s in one]
+    lengths = [s.stats.accept_lengths for s in one]
+    assert [s.stats.accept_lengths for s in multi] == lengths
+    assert [s.stats.accept_lengths for s in reference] == lengths  # every draft saw it all
     assert [s.stats.draft_tokens for s in multi] == [s.stats.draft_tokens for s in one]
     assert max(max(s.stats.accept_lengths) for s in one) >= 3  # the drafts were right often
+    for a, b in zip(*contexts, strict=True):  # every position's context entry, alike
+        n = min(a.shape[-2], b.shape[-2])
+        assert n > 60 and (a[..., :n, :] - b[..., :n, :]).abs().max() < 1e-4
 
 
 def test_non_finite_logits_end_the_request_with_nothing_committed():
