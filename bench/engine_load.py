@@ -115,20 +115,19 @@ def step_timer(runner: EngineRunner) -> dict:
 
     def timed(seqs, params, *args, **kw):
         t0 = time.perf_counter()
-        out = None
         try:
             out = step(seqs, params, *args, **kw)
-            return out
         finally:
             dt = time.perf_counter() - t0
             acc["step_s"] += dt
             acc["steps"] += 1
-            if out is not None:  # a call that raised ran no round of its own
-                made = sum(len(o) for o in out if isinstance(o, list))
-                b = acc["by_budget"].setdefault(params.budget, [0, 0, 0.0, 0, 0])
-                rounds = getattr(engine, "round_steps", 1)
-                b[0], b[1], b[2] = b[0] + 1, b[1] + rounds, b[2] + dt
-                b[3], b[4] = b[3] + len(seqs) * rounds, b[4] + made
+        # a call that raised ran no round of its own: only those that returned count here
+        made = sum(len(o) for o in out if isinstance(o, list))
+        b = acc["by_budget"].setdefault(params.budget, [0, 0, 0.0, 0, 0])
+        rounds = getattr(engine, "round_steps", 1)
+        b[0], b[1], b[2] = b[0] + 1, b[1] + rounds, b[2] + dt
+        b[3], b[4] = b[3] + len(seqs) * rounds, b[4] + made
+        return out
 
     engine.step_batch = timed
     if runner.policy is not None:
