@@ -69,7 +69,7 @@ def answers(lm, drafter, prompts, max_tokens: int, depths: list[int]) -> list:
     drafts min(its depth, block size) positions; --cut-blocks: min(depth, budget, block), and
     the block's attention is bidirectional: a shorter block is not a longer one's prefix)."""
     from ddserve.engine.weights import to_hf
-    from ddserve.training.dflash import answer_hidden
+    from ddserve.training.dflash_eval import answer_hidden
 
     hf = to_hf(lm.model)
     net, dev = drafter.net, lm.model.device

@@ -344,7 +344,7 @@ def stage_corpus(args, lm, work: Path) -> Corpus:
     seconds = time.time() - t0
     if not len(corpus):  # not written: a later run would take it for a finished stage
         raise SystemExit(f"no answer within --corpus-minutes {args.corpus_minutes}: raise it")
-    corpus.meta.update(summary(corpus), seconds=round(seconds, 1))
+    corpus.meta.update(corpus.summary(), seconds=round(seconds, 1))
     paths = write_parts(corpus, work, int(args.corpus_part_mib * (1 << 20)))
     log_json(
         stage="corpus",
@@ -359,73 +359,6 @@ def train_seed(args) -> int:
     """The seed of the training prompts and answers (--train-seed, else --seed); the held-out
     set follows --seed alone, so runs of one --seed and several training seeds share it."""
     return args.seed if args.train_seed is None else args.train_seed
-
-
-def with_earlier(corpus: Corpus, dirs: list[str], work: Path, tokenizer) -> Corpus:
-    """This run's corpus and the corpus parts in the work directories of earlier runs
-    (--corpus-from) of the same target, less every answer of theirs to one of this run's
-    held-out prompts (compared as texts are within a run: decoded, `normalized`; runs of
-    another --seed held other prompts out) and every greedy answer to a prompt already
-    answered greedily (the fixed sources come back in every run: the same answer twice)."""
-
-    def key(c: Corpus, p: int) -> tuple[int, ...]:
-        return tuple(c.prompt(p).tolist())
-
-    def text(c: Corpus, p: int) -> str:
-        return normalized(tokenizer.decode(c.prompt(p).tolist()))
-
-    held = Corpus.load(work / "heldout.npz")
-    held_texts = {text(held, p) for p in range(len(held.prompt_source))}
-    greedy = {key(corpus, int(corpus.answer_prompt[i])) for i in corpus.indices(temperature=0.0)}
-    parts, used = [corpus], {Path(work).resolve()}
-    for d in dirs:
-        if (path := Path(d).resolve()) in used:
-            continue  # the same corpus twice
-        used.add(path)
-        earlier = load_parts(Path(d))
-        if earlier.meta.get("model") != corpus.meta.get("model"):
-            raise SystemExit(
-                f"--corpus-from {d}: its corpus is of {earlier.meta.get('model')!r}, "
-                f"this run's of {corpus.meta.get('model')!r}"
-            )
-        held_out = {p for p in range(len(earlier.prompt_source)) if text(earlier, p) in held_texts}
-        keep, dropped, dup = [], 0, 0
-        for i in range(len(earlier)):
-            p = int(earlier.answer_prompt[i])
-            if p in held_out:
-                dropped += 1
-                continue
-            if earlier.answer_temperature[i] == 0.0:
-                if (k := key(earlier, p)) in greedy:
-                    dup += 1
-                    continue
-                greedy.add(k)
-            keep.append(i)
-        log_json(
-            stage="corpus",
-            earlier=str(d),
-            answers=len(earlier),
-            held_out=dropped,
-            greedy_repeats=dup,
-        )
-        parts.append(earlier.select(keep) if len(keep) < len(earlier) else earlier)
-    merged = Corpus.concat(parts)
-    merged.meta = {**corpus.meta, **summary(merged), "corpus_from": list(dirs)}
-    return merged
-
-
-def summary(corpus: Corpus) -> dict:
-    """Answers and answer tokens by source."""
-    by: dict[str, list[int]] = {}
-    for i in range(len(corpus)):
-        n = by.setdefault(corpus.source(i), [0, 0])
-        n[0] += 1
-        n[1] += corpus.answer_len(i)
-    return {
-        "sequences": len(corpus),
-        "answer_tokens": corpus.answer_token_count,
-        "by_source": {s: {"answers": a, "tokens": t} for s, (a, t) in sorted(by.items())},
-    }
 
 
 def parse_mix(spec: str | None) -> dict[str, float]:

@@ -120,6 +120,19 @@ class Corpus:
             ok &= self.answer_temperature == temperature
         return np.flatnonzero(ok).tolist()
 
+    def summary(self) -> dict:
+        """Answers and answer tokens by source."""
+        by: dict[str, list[int]] = {}
+        for i in range(len(self)):
+            n = by.setdefault(self.source(i), [0, 0])
+            n[0] += 1
+            n[1] += self.answer_len(i)
+        return {
+            "sequences": len(self),
+            "answer_tokens": self.answer_token_count,
+            "by_source": {s: {"answers": a, "tokens": t} for s, (a, t) in sorted(by.items())},
+        }
+
     def select(self, idx: list[int]) -> Corpus:
         """The answers `idx` (in that order) and their prompts, as a corpus of its own."""
         prompts = [self.prompt(p) for p in range(len(self.prompt_source))]

@@ -7,18 +7,19 @@ Stages (each writes into --work and is skipped when its output exists):
           ddserve's own engine, many requests in flight, within --corpus-minutes; held-out
           sets first (training/corpus.py) -> heldout.npz, corpus-NNN.npz (training/corpus_store.py);
           --train-seed draws other training prompts under the same held-out set, and
-          --corpus-from adds earlier runs' corpora (less this run's held-out prompts)
+          --corpus-from adds earlier runs' corpora (less this run's held-out prompts:
+          training/corpus_merge.py)
   train   the drafter learns to predict the target's next L tokens from the target's hidden
           states: many blocks per sequence in one forward (each block sees the context before
-          its root and itself, bidirectionally); cross-entropy weighted by depth; AdamW with
-          a time-based cosine schedule, checkpoints as it goes -> drafter/ (safetensors+config);
-          --init DIR continues from a trained drafter
+          its root and itself, bidirectionally: training/dflash_blocks.py); cross-entropy
+          weighted by depth; AdamW with a time-based cosine schedule, checkpoints as it goes
+          -> drafter/ (safetensors+config); --init DIR continues from a trained drafter
   eval    per-depth agreement with the target's greedy continuation of held-out prompts, per
           domain (chat, code, and `legacy`: the committed drafter's held-out set), the chain
           estimate, and the same on greedy training sequences (the over-fitting gap)
           and the tau of greedy DDTree rounds simulated on the held-out answers (b8/k2,
-          b16/k4, b32/k4: training/tree_sim.py) -> eval.json; the engine measures its own
-          (ddserve.bench.engine_cpu)
+          b16/k4, b32/k4: training/tree_sim.py) -> eval.json (training/dflash_eval.py); the
+          engine measures its own (ddserve.bench.engine_cpu)
 
 Runs on CPU (tiny smoke runs) and CUDA (bf16 autocast); logs one JSON line per event.
 """
@@ -26,7 +27,6 @@ Runs on CPU (tiny smoke runs) and CUDA (bf16 autocast); logs one JSON line per e
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import math
 import os
@@ -35,104 +35,23 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
-import torch.nn.functional as F
 
 from ddserve.engine.dflash import (
     DFlashConfig,
     DFlashModel,
     block_weights,
     load_dflash,
-    load_draft_vocab,
     save_dflash,
 )
 from ddserve.engine.weights import load_model, load_tokenizer, to_hf
-from ddserve.training import draft_vocab, tree_sim
-from ddserve.training.corpus import (
-    CorpusEngine,
-    heldout_set,
-    stage_corpus,
-    summary,
-    with_earlier,
-)
+from ddserve.training import draft_vocab
 from ddserve.training.corpus import log_json as log
+from ddserve.training.corpus import stage_corpus
+from ddserve.training.corpus_merge import with_earlier
 from ddserve.training.corpus_store import Corpus, load_parts, part_paths
-from ddserve.training.prompts import DOMAINS, EVAL_SETS, SOURCES
-
-
-def make_batch(seqs, nb: int, L: int, max_len: int, rng: random.Random, pad: int):
-    """Token ids [B, T], anchors [B, nb] (root positions) and their validity [B, nb], from
-    (ids, prompt length) pairs (ids: a list or an integer array)."""
-    B = len(seqs)
-    T = min(max_len, max(len(s) for s, _ in seqs))
-    ids = torch.full((B, T), pad, dtype=torch.long)
-    anchors = torch.zeros((B, nb), dtype=torch.long)
-    valid = torch.zeros((B, nb), dtype=torch.bool)
-    for b, (s, plen) in enumerate(seqs):
-        s = s[:T]
-        ids[b, : len(s)] = torch.as_tensor(np.asarray(s, dtype=np.int64))
-        lo, hi = max(0, plen - 1), len(s) - L - 1  # root in the answer (or the prompt's last)
-        if hi < lo:
-            continue
-        cand = list(range(lo, hi + 1))
-        pick = rng.sample(cand, min(nb, len(cand)))
-        anchors[b, : len(pick)] = torch.tensor(sorted(pick))
-        valid[b, : len(pick)] = True
-    return ids, anchors, valid
-
-
-def block_forward(draft: DFlashModel, target, ids, anchors, valid, taps, depth: int = 0):
-    """Hidden states [B, nb, L, H] of every block's MASK positions and labels [B, nb, L];
-    `depth`: blocks of that many MASK positions (the engine drafts min(depth, budget,
-    block) of them), else the drafter's block size."""
-    c = draft.c
-    L = depth or c.block_size
-    B, T = ids.shape
-    nb = anchors.shape[1]
-    dev = ids.device
-    feats = draft.project(taps)  # [B, T, H]
-    ctx_kv = draft.context_kv(feats, torch.arange(T, device=dev).expand(B, T))
-    offs = torch.arange(L + 1, device=dev)
-    pos = (anchors[..., None] + offs).reshape(B, nb * (L + 1))  # [B, Q]
-    root = target.embed_tokens(ids.gather(1, anchors))  # [B, nb, H]
-    mask_e = draft.mask_embedding.to(root.dtype).expand(B, nb, L, -1)
-    block = torch.cat([root[:, :, None], mask_e], dim=2).reshape(B, nb * (L + 1), -1)
-    # attention: a block's entries see context positions < its root and its own block
-    qb = torch.arange(nb, device=dev).repeat_interleave(L + 1)  # block of each query
-    ctx_ok = (
-        torch.arange(T, device=dev)[None, None, :] < anchors.repeat_interleave(L + 1, 1)[..., None]
-    )
-    blk_ok = (qb[:, None] == qb[None, :]).expand(B, -1, -1)
-    mask = torch.cat([ctx_ok, blk_ok], dim=2)[:, None]  # [B, 1, Q, T+Q]
-    hidden = draft.blocks(block, pos, ctx_kv, mask)  # [B, Q, H]
-    hidden = hidden.view(B, nb, L + 1, -1)[:, :, 1:]  # MASK positions
-    lab_pos = (anchors[..., None] + 1 + torch.arange(L, device=dev)).clamp(max=T - 1)
-    labels = ids.gather(1, lab_pos.view(B, -1)).view(B, nb, L)
-    return hidden, labels
-
-
-def draft_loss(draft, target, ids, anchors, valid, taps, weights):
-    hidden, labels = block_forward(draft, target, ids, anchors, valid, taps)
-    logits = F.linear(hidden, target.lm_head.weight)  # [B, nb, L, V]
-    ce = F.cross_entropy(logits.float().flatten(0, 2), labels.flatten(), reduction="none")
-    ce = ce.view(labels.shape)
-    w = weights.to(ce.device)[None, None, :] * valid[..., None]
-    loss = (ce * w).sum() / w.sum().clamp(min=1)
-    hit = (logits.argmax(-1) == labels) & valid[..., None]
-    return loss, hit.sum(dim=(0, 1)).float(), valid.sum().float()
-
-
-def _autocast(dev: torch.device):
-    if dev.type == "cuda":
-        return torch.autocast("cuda", dtype=torch.bfloat16)
-    return torch.autocast("cpu", enabled=False)
-
-
-def target_taps(hf, ids: torch.Tensor, layers: tuple[int, ...]) -> torch.Tensor:
-    with torch.no_grad():
-        hs = hf(input_ids=ids, output_hidden_states=True).hidden_states
-    return torch.cat([hs[i + 1] for i in layers], dim=-1)  # output of layer i
+from ddserve.training.dflash_blocks import autocast, draft_loss, make_batch, target_taps
+from ddserve.training.dflash_eval import stage_eval
 
 
 def stage_train(args, lm, corpus: Corpus, work: Path) -> DFlashModel:
@@ -192,7 +111,7 @@ def stage_train(args, lm, corpus: Corpus, work: Path) -> DFlashModel:
         )
         ids, anchors, valid = ids.to(dev), anchors.to(dev), valid.to(dev)
         taps = target_taps(hf, ids, c.target_layers)
-        with _autocast(dev):
+        with autocast(dev):
             loss, hit, nblk = draft_loss(draft, target, ids, anchors, valid, taps, weights)
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -221,7 +140,7 @@ def stage_train(args, lm, corpus: Corpus, work: Path) -> DFlashModel:
         "seconds": round(time.time() - t0, 1),
         "sequences": len(train),
         "answer_tokens": sum(corpus.answer_len(i) for i in train),
-        "corpus_by_source": summary(corpus)["by_source"],
+        "corpus_by_source": corpus.summary()["by_source"],
         "batch": args.batch,
         "blocks_per_seq": args.blocks_per_seq,
         "lr": args.lr,
@@ -241,125 +160,6 @@ def stage_train(args, lm, corpus: Corpus, work: Path) -> DFlashModel:
     save_dflash(draft, out_dir, meta)
     log(stage="train", done=True, **meta)
     return load_dflash(out_dir)
-
-
-EVAL_LEN = 2048  # eval reads whole held-out sequences (long HumanEval prompts too)
-
-
-@torch.inference_mode()
-def agreement(args, lm, hf, draft: DFlashModel, seqs) -> tuple[list[float], int]:
-    """Per-depth agreement of the drafter's top-1 with the sequences' next tokens (teacher-
-    forced context; up to --eval-blocks blocks per sequence, fixed rng) and the blocks
-    counted."""
-    dev, c = lm.model.device, draft.c
-    hits, blocks = torch.zeros(c.block_size), 0.0
-    rng = random.Random(1)
-    weights = block_weights(c.block_size, args.gamma)
-    for i in range(0, len(seqs), 8):
-        batch = seqs[i : i + 8]
-        ids, anchors, valid = make_batch(batch, args.eval_blocks, c.block_size, EVAL_LEN, rng, 0)
-        ids, anchors, valid = ids.to(dev), anchors.to(dev), valid.to(dev)
-        taps = target_taps(hf, ids, c.target_layers)
-        with _autocast(dev):
-            _, hit, nblk = draft_loss(draft, lm.model, ids, anchors, valid, taps, weights)
-        hits += hit.cpu()
-        blocks += float(nblk)
-    return (hits / max(blocks, 1)).tolist(), int(blocks)
-
-
-@torch.inference_mode()
-def answer_hidden(hf, target, draft: DFlashModel, ids: torch.Tensor, plen: int, depth: int = 0):
-    """The drafter's block outputs [A, L, H] at every root of one sequence's answer (ids
-    [1, T]: a prompt of `plen` tokens + answer; roots plen - 1 .. T - 2), teacher-forced on
-    the target's tapped layers: what the engine's drafter sees there (training/tree_sim.py)."""
-    anchors = torch.arange(plen - 1, ids.shape[1] - 1, device=ids.device)[None]
-    taps = target_taps(hf, ids, draft.c.target_layers)
-    hidden, _ = block_forward(draft, target, ids, anchors, anchors >= 0, taps, depth)
-    return hidden[0]
-
-
-def answer_tops(lm, hf, draft: DFlashModel, seqs, k: int, vocab=None) -> list[tuple]:
-    """(seq, plen, top-k log-probs, ids) per sequence at every root of its answer, for the
-    simulated rounds of training/tree_sim.py (over the LM head's `vocab` rows, or all)."""
-    dev = lm.model.device
-    head = lm.model.lm_head.weight
-    if vocab is not None:
-        vocab = vocab.to(dev)
-        head = head[vocab]
-    out = []
-    for s, plen in seqs:
-        s = np.asarray(s)[:EVAL_LEN]
-        if len(s) < plen + 1:
-            continue
-        with _autocast(dev):
-            hidden = answer_hidden(hf, lm.model, draft, torch.as_tensor(s, device=dev)[None], plen)
-        lp, top = tree_sim.root_tops(hidden, head, k, vocab)
-        out.append((s, plen, lp, top))
-    return out
-
-
-def chain(acc: list[float]) -> float:
-    """Expected accepted drafts of a single chain if depth errors were independent."""
-    return sum(math.prod(acc[: d + 1]) for d in range(len(acc)))
-
-
-def report(acc: list[float], sequences: int, blocks: int) -> dict:
-    return {
-        "sequences": sequences,
-        "blocks": blocks,
-        "agreement_by_depth": [round(a, 4) for a in acc],
-        "next_token_agreement": round(acc[0], 4),
-        "cumulative_agreement_chain": round(chain(acc), 3),
-    }
-
-
-@torch.inference_mode()
-def stage_eval(args, lm, draft: DFlashModel, work: Path, corpus: Corpus | None = None) -> dict:
-    """Agreement on the held-out greedy continuations per eval set (prompts.EVAL_SETS: chat,
-    code, legacy) and, with the corpus, on up to 48 greedy training sequences per domain
-    (the train-distribution gap) -> eval.json."""
-    path = work / "heldout.npz"
-    if path.exists():
-        held = Corpus.load(path)
-    else:
-        with CorpusEngine(args, lm) as eng:
-            held = heldout_set(eng, work)
-    hf = to_hf(lm.model)
-    draft = draft.to(lm.model.device).eval()
-    res: dict = {"heldout": {}}
-    # the simulated rounds draft from the drafter's vocabulary, as the engine would
-    vocab = load_draft_vocab(work / "drafter")
-    res["tree_tau_vocab"] = None if vocab is None else len(vocab)
-    for name, sources in EVAL_SETS.items():
-        idx = held.indices(sources)
-        acc, blocks = agreement(args, lm, hf, draft, [held.sequence(i) for i in idx])
-        res["heldout"][name] = report(acc, len(idx), blocks)
-        tops = (
-            []
-            if name == "legacy"
-            else answer_tops(lm, hf, draft, [held.sequence(i) for i in idx], 4, vocab)
-        )
-        if tops:  # greedy rounds of the engine's trees over these answers (tree_sim)
-            res["heldout"][name]["tree_tau"] = {
-                f"b{b}k{k}": tree_sim.tau(tops, b, k) for b, k in tree_sim.EVAL_TREES
-            }
-            res["heldout"][name]["chain_offsets"] = tree_sim.chain_offsets(tops)
-    legacy = res["heldout"]["legacy"]  # the keys of earlier eval.json files
-    res.update({k: legacy[k] for k in ("agreement_by_depth", "next_token_agreement")})
-    res["cumulative_agreement_chain"] = legacy["cumulative_agreement_chain"]
-    if corpus is not None and len(corpus):
-        res["train_distribution"], res["gap_next_token"] = {}, {}
-        for dom in DOMAINS:
-            sources = [s for s in corpus.sources if SOURCES[s] == dom]
-            idx = corpus.indices(sources, temperature=0.0) or corpus.indices(sources)
-            idx = random.Random(0).sample(idx, min(48, len(idx)))
-            acc, blocks = agreement(args, lm, hf, draft, [corpus.sequence(i) for i in idx])
-            res["train_distribution"][dom] = report(acc, len(idx), blocks)
-            gap = acc[0] - res["heldout"][dom]["next_token_agreement"]
-            res["gap_next_token"][dom] = round(gap, 4)
-    (work / "eval.json").write_text(json.dumps(res, indent=1))
-    log(stage="eval", **res)
-    return res
 
 
 def parser() -> argparse.ArgumentParser:

@@ -31,7 +31,7 @@ def root_tops(
     temperature: float = 1.0,
 ) -> tuple[np.ndarray, np.ndarray]:
     """The drafter's block outputs at every root position of one answer [A, L, H] (from
-    `ddserve.training.dflash.block_forward`, anchors plen - 1 .. T - 2) -> its top-k
+    `ddserve.training.dflash_blocks.block_forward`, anchors plen - 1 .. T - 2) -> its top-k
     log-probs and token ids per depth, float64 / int64 arrays [A, L, k]. `head`: the LM head
     rows the drafter proposes, `vocab` their token ids (None: the whole vocabulary)."""
     logits = hidden.float() @ head.float().T  # (the engine's CUDA draft: bf16 products)

@@ -13,7 +13,7 @@ from ddserve.engine.drafters import DraftContext
 from ddserve.engine.sampling import SamplingParams
 from ddserve.engine.weights import random_llama, tiny_config, to_hf
 from ddserve.errors import ConfigError
-from ddserve.training.dflash import block_forward, make_batch, target_taps
+from ddserve.training.dflash_blocks import block_forward, make_batch, target_taps
 from tests.engine.reference import ReferenceDFlash, ReferenceEngine
 
 

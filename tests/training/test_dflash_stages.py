@@ -75,7 +75,7 @@ def test_a_second_corpus_with_another_training_seed_joins_the_first(trained, tmp
     (by normalized text) and any greedy answer to a prompt already answered greedily; a
     directory given twice counts once; a corpus of another target is refused."""
     from ddserve.engine.weights import load_model
-    from ddserve.training.corpus import summary, with_earlier
+    from ddserve.training.corpus_merge import with_earlier
     from ddserve.training.prompts import normalized
 
     tok = load_model("tiny-random").tokenizer
@@ -114,7 +114,7 @@ def test_a_second_corpus_with_another_training_seed_joins_the_first(trained, tmp
     args = [*TINY, "--work", str(work), "--stages", "train", "--max-steps", "1"]
     assert main([*args, "--corpus-from", f"{trained},{tmp_path}"]) == 0
     meta = json.loads((work / "drafter" / "config.json").read_text())["training"]
-    assert meta["corpus_by_source"] == summary(merged)["by_source"]
+    assert meta["corpus_by_source"] == merged.summary()["by_source"]
     other = tmp_path / "other"
     other.mkdir()
     Corpus.build([[5, 6]], ["self_chat"], [(0, [4], 0.0)], first.answer_tokens.dtype.type,

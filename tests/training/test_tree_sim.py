@@ -91,7 +91,7 @@ def test_simulated_rounds_match_the_engines_rounds():
     from ddserve.engine.dflash import BUILTIN, DFlashDrafter, load_dflash, load_draft_vocab
     from ddserve.engine.sampling import SamplingParams
     from ddserve.engine.weights import load_model, to_hf
-    from ddserve.training.dflash import block_forward, target_taps
+    from ddserve.training.dflash_blocks import block_forward, target_taps
     from tests.engine.reference import one_engine
 
     lm = load_model("smollm2-135m")
