@@ -35,6 +35,7 @@ ENGINE_KNOBS = {
     "JOIN_BESIDE_TRIP": "rounds",
     "CATCH_UP_GRAPH_ROWS": "static_dflash",
     "BUFFERED_ROWS": "static_dflash",
+    "ROUND_TIMES_TRIPS": "static_startup",
 }
 
 

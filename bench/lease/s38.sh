@@ -13,6 +13,10 @@
 #   1  carry .carry/r1 .whl     (CALL=1 bash bench/lease/s38.sh)
 #   2  carry .carry/r2
 #   3  carry .carry/r3          (END=seconds: the GPU tests stop by then; 590 by default)
+#   4  (no carry, at once after 3) the adaptive policy's start-up times, taken from calls of
+#      4 rounds as its live samples are (static_startup.ROUND_TIMES_TRIPS, thirty-third
+#      session), against one round a call (the old prior, which likely kept s37's adaptive
+#      at the ceiling b15 at C=16 where fixed b7 was faster), fixed b7 beside, by_budget
 case ${CALL:?} in
 [12]) exec bash bench/lease/s37.sh ;;
 esac
@@ -22,6 +26,16 @@ cp .carry/r*/* /root/parts/ 2>/dev/null
 quiet() { grep -v -i -e warn -e transformers -e Convert -e Loading; }
 table() { grep -e "^config" -e "^[ad][a-z0-9@-]* *[0-9]" -e Error | cut -c1-140; }
 LOAD="--device cuda --requests 32 --waves 16 --max-tokens 128 --prompt-set heldout:16 --first-token-share 0.5 --out $OUT"
+if [ "$CALL" = 4 ]; then
+    echo '{"engine": {"ROUND_TIMES_TRIPS": false}}' >/tmp/old_prior.json
+    timeout 200 python3 -m ddserve.bench.engine_load $LOAD --concurrency 16,64 \
+        --configs dflash-b15k4@adaptive@steps4,dflash-b7k4@steps4 --name prior 2>&1 | quiet | table
+    timeout 150 python3 -m ddserve.bench.tuned /tmp/old_prior.json ddserve.bench.engine_load \
+        $LOAD --concurrency 16,64 --configs dflash-b15k4@adaptive@steps4 --name old_prior 2>&1 |
+        quiet | table
+    echo "done at ${SECONDS}s"
+    exit 0
+fi
 echo '{"engine": {"BUFFERED_ROWS": 0}}' >/tmp/old.json
 timeout 200 python3 -m ddserve.bench.engine_load $LOAD --concurrency 16,64 \
     --configs dflash-b0@steps4,ar@steps4 --name buffer 2>&1 | quiet | table

@@ -23,6 +23,11 @@ from ddserve.engine.static_prefill import PREFILL_ROWS, bucket_sizes, fresh_rows
 
 log = logging.getLogger(__name__)
 
+# the start-up round times from calls of --num-scheduler-steps rounds, each a round's share
+# (False: one round a call, as before 2026-12-07; benchmarks' switch, `bench.tuned`
+# {"engine": {"ROUND_TIMES_TRIPS": false}})
+ROUND_TIMES_TRIPS = True
+
 
 class StartUp:
     """StaticEngine's start-up (a mixin: it reads the engine's pool, target, drafter and
@@ -105,14 +110,24 @@ class StartUp:
     def round_times(
         self, params: LiveParams, budgets: list[int], rounds: int = 3, prompt_tokens: int = 16
     ) -> dict[tuple[int, int], float]:
-        """{(batch, budget): seconds}: the median wall time of `rounds` real rounds (after an
-        untimed one) of `batch` throw-away greedy requests at each budget, fresh ones for each
-        (every budget at the same short context), for every batch size the graphs are captured
-        for; draft, verify, accept and the host's work included. Their KV slots are free again
-        after. A failure (out of memory at the largest shapes, say) ends the measurement there:
-        what was measured before it is returned. Nothing if a slot cannot hold the rounds."""
+        """{(batch, budget): seconds}: the median wall time of a round in `rounds` real calls
+        (after an untimed one) of `batch` throw-away greedy requests at each budget, fresh
+        ones for each (every budget at the same short context), for every batch size the
+        graphs are captured for; draft, verify, accept and the host's work included. A call
+        takes the engine's --num-scheduler-steps, as a running engine's do, and its time per
+        round is the call's over the rounds it ran, as the adaptive policy's live samples
+        are (measured one round a call, every candidate but the one in use carried a whole
+        host round trip a round, so the policy leaned to the budget its first rounds made
+        live: likely why, at 16 requests on an H100, it kept the ceiling b15 where fixed b7
+        made more tokens a second, bench/NOTES.md). Their KV slots are free again
+        after. A failure (out of memory at the largest shapes, say) ends the measurement
+        there: what was measured before it is returned. Nothing if a slot cannot hold the
+        rounds."""
         rows = 1 + rounds
-        if prompt_tokens + rows * (max(budgets) + 1) > self.pool.usable:
+        steps = self.scheduler_steps if ROUND_TIMES_TRIPS else 1
+        if prompt_tokens + rows * steps * (max(budgets) + 1) > self.pool.usable:
+            steps = 1  # a short pool: one round a call
+        if prompt_tokens + rows * steps * (max(budgets) + 1) > self.pool.usable:
             return {}
         prompt = [self.model.cfg.bos_token_id or 0] * prompt_tokens
         sampling = SamplingParams(max_tokens=self.pool.usable, ignore_eos=True)
@@ -130,11 +145,11 @@ class StartUp:
                     times = []
                     for i in range(rows):
                         t0 = time.perf_counter()
-                        for new in self.step_batch(seqs, p, steps=1):  # a round each
+                        for new in self.step_batch(seqs, p, steps=steps):
                             if isinstance(new, Exception):
                                 raise new
                         if i:
-                            times.append(time.perf_counter() - t0)
+                            times.append((time.perf_counter() - t0) / self.round_steps)
                     out[(batch, budget)] = statistics.median(times)
                 except Exception as exc:  # noqa: BLE001 - a measurement, never the start
                     log.warning(

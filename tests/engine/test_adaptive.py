@@ -367,3 +367,44 @@ def test_round_times_keep_what_they_measured_and_free_every_slot():
     eng.new_sequence = failing
     times = eng.round_times(LiveParams(budget=3, topk=2), [0, 3])
     assert set(times) == {(1, 0), (1, 3), (2, 0), (2, 3)} and eng.free_slots == 4
+
+
+def test_round_times_time_a_round_as_the_live_rounds_do(tmp_path, monkeypatch):
+    """With --num-scheduler-steps 4 the start-up times come from calls of four rounds, each
+    call's time over the rounds it ran, as the runner's live samples: a host cost of a call
+    (here 0.1 s a call) counts a quarter a round, where one round a call would carry it
+    whole into every candidate but the one in use (a bias to the budget first used)."""
+    import time
+
+    from ddserve.config.engine import LiveParams
+    from ddserve.engine import tree_triton
+    from ddserve.engine.build import build_engine
+    from ddserve.engine.dflash import save_dflash
+    from ddserve.engine.weights import random_llama, tiny_config
+    from tests.engine.test_lossless import random_dflash
+    from tests.engine.test_tree_triton import host_build_trees
+
+    monkeypatch.setattr(tree_triton, "build_trees", host_build_trees)  # the kernel's oracle
+    save_dflash(random_dflash(random_llama(tiny_config(), 0)), tmp_path / "dd")
+    cfg = EngineConfig(
+        model="tiny-random",
+        device="cpu",
+        max_batch=2,
+        num_scheduler_steps=4,
+        drafter={"kind": "dflash", "dflash_path": str(tmp_path / "dd")},
+    )
+    eng, _, _ = build_engine(cfg, None)
+    eng.device_tree = True  # rounds a trip at budgets > 0 (the trees' host oracle on a CPU)
+    step_batch, calls = eng.step_batch, []
+
+    def slow_host(seqs, params, steps=None):
+        time.sleep(0.1)
+        out = step_batch(seqs, params, steps)
+        calls.append((params.budget, steps, eng.round_steps))
+        return out
+
+    monkeypatch.setattr(eng, "step_batch", slow_host)
+    times = eng.round_times(LiveParams(budget=3, topk=2), [0, 3])
+    assert set(times) == {(1, 0), (1, 3), (2, 0), (2, 3)} and eng.free_slots == 2
+    assert {c for c in calls} == {(0, 4, 4), (3, 4, 4)}
+    assert all(t < 0.1 for t in times.values()), times
