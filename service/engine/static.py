@@ -24,6 +24,8 @@ slot's keys are gathered).
 from __future__ import annotations
 
 import logging
+import math
+import mmap
 
 import numpy as np
 import torch
@@ -46,13 +48,22 @@ def next_bucket(n: int, lo: int, hi: int) -> int:
 
 
 def zeros(shape: tuple[int, ...], device, dtype: torch.dtype) -> torch.Tensor:
-    """torch.zeros; on CPU from calloc (numpy), whose pages take memory only once written,
-    so a pool sized for max_batch x max_context costs what the requests actually use."""
+    """torch.zeros; on CPU an anonymous mapping, whose pages take memory only once written,
+    so a pool sized for max_batch x max_context costs what the requests actually use. Its
+    pages stay small (MADV_NOHUGEPAGE): a slot's keys of one head and layer are 2 MB at 8,192
+    entries, so where transparent huge pages are on (numpy asks for them on large arrays) a
+    request's first entry committed all 2 MB, its slot's whole context: 32 short requests
+    took the CPU engine from 1.9 to 13.9 GB (bench/NOTES.md)."""
     if torch.device(device).type != "cpu":
         return torch.zeros(shape, device=device, dtype=dtype)
-    size = torch.empty((), dtype=dtype).element_size()
-    raw = np.zeros((*shape[:-1], shape[-1] * size), dtype=np.uint8)
-    return torch.from_numpy(raw).view(dtype)
+    n = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    buf = mmap.mmap(-1, max(n, 1))  # private, anonymous: zero pages until written
+    try:
+        buf.madvise(mmap.MADV_NOHUGEPAGE)
+    except (AttributeError, OSError):  # no such advice here (no huge pages to refuse)
+        pass
+    raw = np.frombuffer(buf, dtype=np.uint8, count=n)  # keeps the mapping alive
+    return torch.from_numpy(raw).view(dtype).view(shape)
 
 
 class Staging:

@@ -623,3 +623,34 @@ def test_newcomers_catch_up_in_one_write_as_one_by_one(tiny, device, monkeypatch
         assert sd.graphs.enabled and ("catch_up", 256) in sd.graphs.graphs
     assert (one_by_one - start)[:, :, 1, :, 4:94].abs().amin() > 0  # written where asked
     assert torch.equal(one_by_one[:, :, 2], start[:, :, 2])  # the slot no prompt took
+
+
+def test_a_cpu_pool_takes_memory_for_the_entries_written():
+    """A CPU KV pool sized for 8,192 entries a slot takes memory as entries are written: a
+    few entries in every slot cost kilobytes, not each slot's whole context (where
+    transparent huge pages are on, numpy's zeros had each (layer, slot, head) row of 2 MB
+    committed whole by its first entry: 32 short requests took 12 GB)."""
+    from ddserve.engine.llama import LlamaConfig
+    from ddserve.engine.static import KVPool
+
+    def rss() -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * 4096
+
+    # SmolLM2-135M's attention shape: 30 layers, 3 key/value heads of 64
+    cfg = LlamaConfig(
+        vocab_size=49152,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_layers=30,
+        num_heads=9,
+        num_kv_heads=3,
+        head_dim=64,
+    )
+    before = rss()
+    pool = KVPool(cfg, cfg.num_layers, 4, 8192, 512, "cpu", torch.float32)
+    assert pool.kv.nbytes == 4 * KVPool.slot_bytes(cfg, 30, 8192, torch.float32)  # 1.4 GiB
+    pool.kv[:, :, :, :, :16] = 1.0  # 16 entries of every slot, layer and head
+    assert torch.equal(pool.kv[1, 29, 3, 2, 15], torch.ones(64))
+    assert float(pool.kv[0, 0, 0, 0, 16:].abs().sum()) == 0.0
+    assert rss() - before < 64 * 2**20, (rss() - before) / 2**20
