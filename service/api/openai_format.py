@@ -167,3 +167,24 @@ def completion_chunk(
 def sse(data: dict | str) -> str:
     body = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"))
     return f"data: {body}\n\n"
+
+
+class StreamEvents:
+    """A stream's chunks as server-sent events, as OpenAI sends them under
+    `stream_options.include_usage`: every chunk with `"usage": null`, then one with no
+    choices and the request's usage (`usage`)."""
+
+    def __init__(self, include_usage: bool):
+        self.include_usage = include_usage
+
+    def __call__(self, chunk: dict) -> str:
+        if self.include_usage:
+            chunk.setdefault("usage", None)
+        return sse(chunk)
+
+    def usage(self, chunk: dict, stats: RequestStats | None) -> str:
+        return sse({**chunk, "choices": [], "usage": usage(stats)})
+
+
+def sse_of(stream_options) -> StreamEvents:
+    return StreamEvents(bool(stream_options and stream_options.include_usage))

@@ -75,13 +75,13 @@ def register(app: FastAPI, s: Served) -> None:
                 c.stats,
                 fmt.chat_logprobs(c.logprobs, s.strings),
             )
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        sse = fmt.sse_of(req.stream_options)
 
         async def chunks():
             created, sent_role = int(time.time()), False
             async for d in s.stream_of(prompt, sp, deadline, req.stream_interval):
                 if not sent_role:
-                    yield fmt.sse(
+                    yield sse(
                         fmt.chat_chunk(
                             rid,
                             s.model_id,
@@ -94,7 +94,7 @@ def register(app: FastAPI, s: Served) -> None:
                 if d.text or d.logprobs:
                     lp = fmt.chat_logprobs(d.logprobs, s.strings)
                     delta = {"content": d.text}
-                    yield fmt.sse(
+                    yield sse(
                         fmt.chat_chunk(rid, s.model_id, created, d.fingerprint, delta, None, lp)
                     )
                 if d.finish_reason is not None:
@@ -103,15 +103,10 @@ def register(app: FastAPI, s: Served) -> None:
                         rid, s.model_id, created, d.fingerprint, {}, d.finish_reason
                     )
                     last["ddtree"] = fmt.ddtree_ext(d.stats)
-                    yield fmt.sse(last)
-                    if include_usage:
-                        yield fmt.sse(
-                            {
-                                **fmt.chat_chunk(rid, s.model_id, created, d.fingerprint, {}),
-                                "choices": [],
-                                "usage": fmt.usage(d.stats),
-                            }
-                        )
+                    yield sse(last)
+                    if sse.include_usage:
+                        head = fmt.chat_chunk(rid, s.model_id, created, d.fingerprint, {})
+                        yield sse.usage(head, d.stats)
             yield fmt.sse("[DONE]")
 
         return await s.sse_response(chunks())
@@ -169,6 +164,8 @@ def register(app: FastAPI, s: Served) -> None:
             stats = merged_stats([c.stats for c in done])
             return fmt.completion_response(rid, s.model_id, choices, done[0].fingerprint, stats)
 
+        sse = fmt.sse_of(req.stream_options)
+
         async def chunks():
             created, finished = int(time.time()), []
             streams = [
@@ -190,10 +187,14 @@ def register(app: FastAPI, s: Served) -> None:
                             s.record(d.stats)
                             finished.append(d.stats)
                             chunk["ddtree"] = fmt.ddtree_ext(d.stats)
-                            # the last choice: the request's usage
-                            if len(finished) == len(prompts):
+                            # the last choice: the request's usage (without include_usage,
+                            # on its final chunk: ddserve's own, as before stream_options)
+                            if len(finished) == len(prompts) and not sse.include_usage:
                                 chunk["usage"] = fmt.usage(merged_stats(finished))
-                        yield fmt.sse(chunk)
+                        yield sse(chunk)
+                        if len(finished) == len(prompts) and sse.include_usage:
+                            head = fmt.completion_chunk(rid, s.model_id, created, d.fingerprint, "")
+                            yield sse.usage(head, merged_stats(finished))
                 yield fmt.sse("[DONE]")
             finally:
                 s.admission.leave(extra)

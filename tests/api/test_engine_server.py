@@ -44,6 +44,55 @@ def test_chat_non_stream_and_stream_agree(client):
     assert {c.system_fingerprint for c in chunks} == {r.system_fingerprint}
 
 
+def _events(url: str, body: dict) -> list[dict]:
+    """A stream's events over raw HTTP, in order, [DONE] last."""
+    with httpx.stream("POST", url, json=body, timeout=60) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        lines = [ln[5:].strip() for ln in r.iter_lines() if ln.startswith("data:")]
+    assert lines[-1] == "[DONE]"
+    return [json.loads(ln) for ln in lines[:-1]]
+
+
+@pytest.mark.parametrize("endpoint", ["chat/completions", "completions"])
+def test_include_usage_streams_usage_null_then_a_usage_chunk(engine_server, endpoint):
+    """As OpenAI streams with `stream_options.include_usage`: every chunk carries
+    `"usage": null`, and one more before [DONE] has no choices and the request's usage
+    (a list of prompts: their sum); without it no chunk but the last choice's final one
+    (completions, ddserve's own) has a `usage` key."""
+    url = f"{engine_server.url}/v1/{endpoint}"
+    if endpoint == "chat/completions":
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}]}
+    else:
+        body = {"model": MODEL, "prompt": ["Once upon a time", "def add(a, b):"]}
+    body.update(max_tokens=6, temperature=0, stream=True)
+    with_usage = _events(url, {**body, "stream_options": {"include_usage": True}})
+    *chunks, last = with_usage
+    assert chunks and all("usage" in c and c["usage"] is None for c in chunks)
+    assert last["choices"] == [] and last["object"] == chunks[0]["object"]
+    n = 1 if endpoint == "chat/completions" else 2
+    assert last["usage"]["completion_tokens"] == 6 * n
+    assert last["usage"]["total_tokens"] == last["usage"]["prompt_tokens"] + 6 * n
+    plain = _events(url, body)
+    assert all(c["choices"] for c in plain)
+    assert [c.get("usage") for c in plain[:-1]] == [None] * (len(plain) - 1)
+    assert all("usage" not in c for c in plain[:-1])
+    if endpoint == "completions":
+        assert plain[-1]["usage"] == last["usage"]
+    else:
+        assert "usage" not in plain[-1]
+    # each choice's text is the same either way (the choices' chunks interleave as they come)
+    text = "content" if endpoint == "chat/completions" else "text"
+
+    def joined(events):
+        out = [""] * n
+        for c in events:
+            for ch in c["choices"]:
+                out[ch["index"]] += ch.get("delta", ch).get(text) or ""
+        return out
+
+    assert joined(chunks) == joined(plain)
+
+
 def test_completions_models_and_native_generate(client, engine_server):
     assert [m.id for m in client.models.list()] == [MODEL]
     c = client.completions.create(
