@@ -52,6 +52,10 @@ log = logging.getLogger(__name__)
 CANCELLED = frozenset({"TaskCancelledError", "RequestCancelledError", "CancelledError"})
 
 
+# the routes whose requests `ddserve:requests_total` counts (a refusal there: client_error)
+GENERATING = frozenset({"/v1/chat/completions", "/v1/completions", "/generate"})
+
+
 def freeze_startup_heap() -> None:
     """Move everything start-up allocated (the app, the tokenizer, imported modules) out of
     the garbage collector's sight, so collections during a burst of requests walk only the
@@ -122,14 +126,18 @@ def create_app(
     s.api_server = {"index": index, "count": count, "pid": os.getpid()}  # /server_info says it
 
     @app.exception_handler(DDServeError)
-    async def _ddserve_error(_: Request, exc: DDServeError):
+    async def _ddserve_error(request: Request, exc: DDServeError):
         if exc.status_code >= 500:
             s.totals["errors"] += 1
+        elif request.url.path in GENERATING and not getattr(exc, "counted", False):
+            backend.refused()
         return error_response(exc)
 
     @app.exception_handler(RequestValidationError)
-    async def _invalid(_: Request, exc: RequestValidationError):
+    async def _invalid(request: Request, exc: RequestValidationError):
         msg, param = validation_message(exc)
+        if request.url.path in GENERATING:
+            backend.refused()
         return error_response(InvalidRequest(msg, param=param))
 
     @app.exception_handler(HTTPException)

@@ -150,12 +150,20 @@ class MeteredBackend:
                 yield d
         except DDServeError as exc:
             status = "client_error" if exc.status_code < 500 else "error"
+            exc.counted = True  # the HTTP handler does not count it again (`refused`)
             raise
         finally:
             self.inflight -= 1
             self.totals["requests"] += 1
             self.totals["errors"] += status == "error"
             ex.inc("requests", status=status)
+
+    def refused(self) -> None:
+        """A request refused before the engine took it (its body, its model, its prompt's
+        length, admission): a finished request of status client_error in
+        `ddserve:requests_total`, as one the engine refused is (the stats line counts the
+        engine's requests alone)."""
+        self.exporter.inc("requests", status="client_error")
 
     def _record_finish(self, st: RequestStats | None, prompt_len: int, e2e: float, params) -> None:
         ex, t = self.exporter, self.totals

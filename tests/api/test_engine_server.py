@@ -93,6 +93,37 @@ def test_include_usage_streams_usage_null_then_a_usage_chunk(engine_server, endp
     assert joined(chunks) == joined(plain)
 
 
+def test_refused_requests_count_once_as_client_errors(engine_server):
+    """`ddserve:requests_total{status="client_error"}` counts every request the generating
+    routes refuse: a body that fails validation, a model not served, a prompt too long,
+    token ids the engine refuses (that one once, though both the engine's wrapper and the
+    HTTP handler see it), sampling parameters out of range; an admin request refused and a
+    route not served are no such requests."""
+    from tests.api.test_api_servers import metric
+
+    series = 'ddserve:requests_total{model_name="tiny-random:7",status="client_error"}'
+    url = engine_server.url
+
+    def count() -> float:
+        return metric(httpx.get(url + "/metrics").text, series)
+
+    before = count()
+    chat_url = url + "/v1/chat/completions"
+    msgs = [{"role": "user", "content": "x"}]
+    refused = [
+        httpx.post(chat_url, json={"model": MODEL, "messages": msgs, "max_tokens": "8"}),
+        httpx.post(chat_url, json={"model": "gpt-4", "messages": msgs}),
+        httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "x " * 400}),
+        # the engine's own check (`input_ids` out of the vocabulary): inside its stream
+        httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": [10**6]}),
+        httpx.post(url + "/generate", json={"text": "x", "sampling_params": {"top_p": 0}}),
+    ]
+    assert [r.status_code for r in refused] == [400, 404, 400, 400, 400], [r.text for r in refused]
+    assert httpx.post(url + "/admin/reconfigure", json={"budget": -1}).status_code >= 400
+    assert httpx.get(url + "/v1/nope").status_code == 404
+    assert count() - before == 5
+
+
 def test_completions_models_and_native_generate(client, engine_server):
     assert [m.id for m in client.models.list()] == [MODEL]
     c = client.completions.create(
