@@ -41,7 +41,11 @@ one takes the rest (StaticEngine.allot). Within `--chunked-prefill-size`, at lea
 steps, as on a CPU, rounds that admit a long prompt take longer than the target);
 FIRST_TOKENS before any chunk is measured. An idle engine prefills whole, unless its prefills
 so far say that takes over IDLE_WHOLE_S: then `--chunked-prefill-size` tokens a round, so a
-request that arrives meanwhile waits for one chunk, not the whole prompt.
+request that arrives meanwhile waits for one chunk, not the whole prompt. Before any prefill
+of MIN_TOKENS or more was timed, a prompt longer than that cap takes one chunk of it first,
+timed (on a 2-core CPU an engine that had served only short prompts took a first 8,191-token
+prompt whole: ~33 s that three requests arriving 1 s later waited, a probe's finding; on a
+GPU the first long prompt pays one forward more, once).
 """
 
 from __future__ import annotations
@@ -147,8 +151,10 @@ class PrefillPacer:
         """Prompt tokens the next round may prefill, its chunk after `context` keys of its
         prompt, `waiting` tokens of prompts to go in all; None = all of them."""
         if not decoding:
-            if self.max_tokens is None or waiting <= self.max_tokens or not self.token_rates:
+            if self.max_tokens is None or waiting <= self.max_tokens:
                 return None
+            if not self.token_rates:  # the first long prompt: a chunk, timed, tells the rate
+                return self.max_tokens
             return None if waiting * min(self.token_rates) <= IDLE_WHOLE_S else self.max_tokens
         self.context = context
         if self.steps <= 0 or self.step_s is None:

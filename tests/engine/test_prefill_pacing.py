@@ -24,12 +24,17 @@ def test_an_idle_engine_prefills_whole_and_the_cap_holds_before_any_measurement(
 def test_an_idle_engine_chunks_a_prompt_its_prefills_say_would_take_long():
     """Idle, a prompt goes in whole unless the engine's own prefill rate says that takes over
     IDLE_WHOLE_S: then the token cap a round, so a request arriving meanwhile waits one chunk
-    (a 2-core CPU took ~54 s for 8,000 tokens in one forward). A first-use spike does not
+    (a 2-core CPU took ~54 s for 8,000 tokens in one forward). Before any rate is known, a
+    prompt past the cap takes one chunk first, which tells it. A first-use spike does not
     cap a fast device: the fastest of the last IDLE_SAMPLES rates decides."""
     p = PrefillPacer(2048, 1.5)
-    assert p.budget(decoding=False, waiting=8000) is None  # nothing timed yet
+    assert p.budget(decoding=False, waiting=8000) == 2048  # nothing timed yet: a chunk first
+    assert p.budget(decoding=False, waiting=2048) is None  # within the cap: whole anyway
     p.timed(100, 1.0)  # too short to count
-    assert p.budget(decoding=False, waiting=8000) is None
+    assert p.budget(decoding=False, waiting=8000) == 2048
+    fast = PrefillPacer(2048, 1.5)
+    fast.timed(2048, 0.004)  # the first chunk, on a GPU: the rest goes in whole
+    assert fast.budget(decoding=False, waiting=8000 - 2048) is None
     p.timed(2048, 13.7)  # a CPU: ~6.7 ms a token
     assert p.budget(decoding=False, waiting=8000) == 2048
     assert p.budget(decoding=False, waiting=2048) is None  # within the cap: whole anyway
