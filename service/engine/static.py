@@ -57,7 +57,9 @@ def zeros(shape: tuple[int, ...], device, dtype: torch.dtype) -> torch.Tensor:
     if torch.device(device).type != "cpu":
         return torch.zeros(shape, device=device, dtype=dtype)
     n = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-    buf = mmap.mmap(-1, max(n, 1))  # private, anonymous: zero pages until written
+    # private (as calloc's: a forked process's writes stay its own), anonymous: zero pages
+    # until written
+    buf = mmap.mmap(-1, max(n, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     try:
         buf.madvise(mmap.MADV_NOHUGEPAGE)
     except (AttributeError, OSError):  # no such advice here (no huge pages to refuse)

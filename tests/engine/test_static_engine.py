@@ -654,3 +654,12 @@ def test_a_cpu_pool_takes_memory_for_the_entries_written():
     assert torch.equal(pool.kv[1, 29, 3, 2, 15], torch.ones(64))
     assert float(pool.kv[0, 0, 0, 0, 16:].abs().sum()) == 0.0
     assert rss() - before < 64 * 2**20, (rss() - before) / 2**20
+    # a private mapping (as calloc's), not shared memory a forked process would write into
+    addr = pool.kv.data_ptr()
+    with open("/proc/self/maps") as f:
+        perms = [
+            ln.split()[1]
+            for ln in f
+            if int(ln.split("-")[0], 16) <= addr < int(ln.split()[0].split("-")[1], 16)
+        ]
+    assert perms == ["rw-p"], perms
