@@ -630,7 +630,7 @@ def test_a_cpu_pool_takes_memory_for_the_entries_written():
     few entries in every slot cost kilobytes, not each slot's whole context (where
     transparent huge pages are on, numpy's zeros had each (layer, slot, head) row of 2 MB
     committed whole by its first entry: 32 short requests took 12 GB)."""
-    from ddserve.engine.llama import LlamaConfig
+    from ddserve.bench.static_step import SMOLLM2 as cfg
     from ddserve.engine.static import KVPool
 
     def rss() -> int:
@@ -638,15 +638,6 @@ def test_a_cpu_pool_takes_memory_for_the_entries_written():
             return int(f.read().split()[1]) * 4096
 
     # SmolLM2-135M's attention shape: 30 layers, 3 key/value heads of 64
-    cfg = LlamaConfig(
-        vocab_size=49152,
-        hidden_size=576,
-        intermediate_size=1536,
-        num_layers=30,
-        num_heads=9,
-        num_kv_heads=3,
-        head_dim=64,
-    )
     before = rss()
     pool = KVPool(cfg, cfg.num_layers, 4, 8192, 512, "cpu", torch.float32)
     assert pool.kv.nbytes == 4 * KVPool.slot_bytes(cfg, 30, 8192, torch.float32)  # 1.4 GiB
