@@ -192,7 +192,7 @@ class EngineConfig(Frozen):
     chunked_prefill_size: int = Field(
         2048,
         ge=-1,
-        description="Most prompt tokens prefilled per round while other requests are decoding, so a long prompt is admitted in chunks between their rounds instead of stalling them (SGLang's --chunked-prefill-size). A prompt arriving to an idle engine is prefilled whole. -1 or 0 = no limit.",
+        description="Most prompt tokens prefilled per round while other requests are decoding, so a long prompt is admitted in chunks between their rounds instead of stalling them (SGLang's --chunked-prefill-size). A prompt arriving to an idle engine is prefilled whole unless the engine's own timed prefills say that takes over 0.5 s (then this many tokens a round, so a request arriving meanwhile waits for one chunk); until one is timed, a prompt longer than this takes one chunk first. -1 or 0 = no limit.",
         json_schema_extra={"flag": "--chunked-prefill-size"},
     )
     chunked_prefill_steps: float = Field(
