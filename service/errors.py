@@ -33,6 +33,9 @@ class DDServeError(Exception):
     status_code = 500
     error_type = "internal_error"
     code: str | None = None
+    # counted in ddserve:requests_total where it was raised (a request's engine stream): the
+    # HTTP handler does not count it again (ddserve.api.observability.MeteredBackend.refused)
+    counted = False
 
     def __init__(self, message: str, *, param: str | None = None, code: str | None = None):
         super().__init__(message)

@@ -129,7 +129,7 @@ def create_app(
     async def _ddserve_error(request: Request, exc: DDServeError):
         if exc.status_code >= 500:
             s.totals["errors"] += 1
-        elif request.url.path in GENERATING and not getattr(exc, "counted", False):
+        elif request.url.path in GENERATING and not exc.counted:
             backend.refused()
         return error_response(exc)
 

@@ -150,7 +150,7 @@ class MeteredBackend:
                 yield d
         except DDServeError as exc:
             status = "client_error" if exc.status_code < 500 else "error"
-            exc.counted = True  # the HTTP handler does not count it again (`refused`)
+            exc.counted = True
             raise
         finally:
             self.inflight -= 1

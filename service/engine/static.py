@@ -56,7 +56,7 @@ def zeros(shape: tuple[int, ...], device, dtype: torch.dtype) -> torch.Tensor:
     took the CPU engine from 1.9 to 13.9 GB (bench/NOTES.md)."""
     if torch.device(device).type != "cpu":
         return torch.zeros(shape, device=device, dtype=dtype)
-    n = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    n = math.prod(shape) * dtype.itemsize
     # private (as calloc's: a forked process's writes stay its own), anonymous: zero pages
     # until written
     buf = mmap.mmap(-1, max(n, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)

@@ -124,11 +124,13 @@ class StartUp:
         there: what was measured before it is returned. Nothing if a slot cannot hold the
         rounds."""
         rows = 1 + rounds
-        steps = self.scheduler_steps if ROUND_TIMES_TRIPS else 1
-        if prompt_tokens + rows * steps * (max(budgets) + 1) > self.pool.usable:
-            steps = 1  # a short pool: one round a call
-        if prompt_tokens + rows * steps * (max(budgets) + 1) > self.pool.usable:
+        room = self.pool.usable - prompt_tokens  # entries a slot has for the calls' rounds
+        per_round = rows * (max(budgets) + 1)
+        if per_round > room:
             return {}
+        steps = self.scheduler_steps if ROUND_TIMES_TRIPS else 1
+        if steps * per_round > room:
+            steps = 1  # a short pool: one round a call
         prompt = [self.model.cfg.bos_token_id or 0] * prompt_tokens
         sampling = SamplingParams(max_tokens=self.pool.usable, ignore_eos=True)
         out = {}

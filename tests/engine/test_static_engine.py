@@ -630,14 +630,13 @@ def test_a_cpu_pool_takes_memory_for_the_entries_written():
     few entries in every slot cost kilobytes, not each slot's whole context (where
     transparent huge pages are on, numpy's zeros had each (layer, slot, head) row of 2 MB
     committed whole by its first entry: 32 short requests took 12 GB)."""
-    from ddserve.bench.static_step import SMOLLM2 as cfg
+    from ddserve.bench.static_step import SMOLLM2 as cfg  # 30 layers, 3 kv heads of 64
     from ddserve.engine.static import KVPool
 
     def rss() -> int:
         with open("/proc/self/statm") as f:
             return int(f.read().split()[1]) * 4096
 
-    # SmolLM2-135M's attention shape: 30 layers, 3 key/value heads of 64
     before = rss()
     pool = KVPool(cfg, cfg.num_layers, 4, 8192, 512, "cpu", torch.float32)
     assert pool.kv.nbytes == 4 * KVPool.slot_bytes(cfg, 30, 8192, torch.float32)  # 1.4 GiB
