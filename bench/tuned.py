@@ -36,6 +36,7 @@ ENGINE_KNOBS = {
     "CATCH_UP_GRAPH_ROWS": "static_dflash",
     "BUFFERED_ROWS": "static_dflash",
     "ROUND_TIMES_TRIPS": "static_startup",
+    "FULL_TRIPS_ONLY": "adaptive",
 }
 
 

@@ -12,7 +12,10 @@ the GPU and the prompts, so it is measured, not configured:
     rows the round verifies, which the runner tells: the static engine's forward covers
     slots 0..used_rows-1; rounded up to a power of two as its graphs are), an exponential average
     of the rounds themselves (a sample is clipped at 2x the estimate, so a one-off stall
-    such as a graph captured on first use does not poison it);
+    such as a graph captured on first use does not poison it), taken from full trips only
+    (with --num-scheduler-steps N, calls of N rounds: a call's host round trip falls on
+    each of a short call's few rounds, which would make a candidate re-tried there look
+    slow);
   * gain(b): tokens a request gets per round at `b` (1 at budget 0), the same for every
     batch size (acceptance depends on the drafter and the text, not the batch). A best-first
     tree of budget b is the first b nodes of every bigger one, so one round at budget B says
@@ -67,6 +70,12 @@ RETRY_TIME_ALPHA, RETRY_GAIN_ALPHA = 1.0, 0.5
 CLIP = 2.0  # a time sample counts at most CLIP x the current estimate
 EXPLORE_MIN, EXPLORE_MAX = 16, 1024  # rounds between re-tries of another candidate
 FIRST_SAMPLES = 2  # rounds of each candidate at a new batch size; the first one is dropped
+# time a round from full trips only (--num-scheduler-steps of them in one call): a trip of
+# fewer rounds (a newcomer's first token, a prompt joining, a request's last tokens) carries
+# its call's whole host round trip on each of them; timed alike, a candidate re-tried on such
+# a trip looked ~20% slower than it is, so the budget in use stayed (s38, H100 C=16: adaptive
+# kept b15 at 0.91x fixed b7's tok/s). False: every trip's rounds time (before 2026-12-07)
+FULL_TRIPS_ONLY = True
 
 
 def candidates(ceiling: int) -> list[int]:
@@ -115,8 +124,10 @@ class SpecPolicy:
         self.time[key] = seconds
         self.samples[key] = max(self.samples.get(key, 0), FIRST_SAMPLES)
 
-    def choose(self, batch: int, ceiling: int) -> int:
-        """The budget of a round of `batch` requests under the live ceiling."""
+    def choose(self, batch: int, ceiling: int, full: bool = True) -> int:
+        """The budget of a round of `batch` requests under the live ceiling; `full`: its call
+        runs the engine's full count of rounds (only such trips re-try other candidates,
+        whose times are taken from full trips)."""
         cands = candidates(ceiling)
         if len(cands) == 1:
             return cands[0]
@@ -140,8 +151,11 @@ class SpecPolicy:
         # those whose rounds never succeeded anywhere have no gain: not candidates here
         cands = [b for b in cands if self.known(b)] or [0]
         st = self.buckets.setdefault(key, _Bucket())
-        st.rounds += 1
         best = max(cands, key=lambda b: self.rate(key, b))
+        if FULL_TRIPS_ONLY and not full:  # its time would not count: no re-try here
+            st.trying = None
+            return best
+        st.rounds += 1
         if best != st.best:
             st.previous, st.best, st.interval = st.best, best, EXPLORE_MIN
             st.next_explore = st.rounds + st.interval
@@ -183,17 +197,21 @@ class SpecPolicy:
         """Estimated tokens a request gets from a round at `budget`."""
         return 1.0 + sum(self.inc[b] for b in candidates(budget)[1:])
 
-    def record(self, batch: int, budget: int, seconds: float, paths: list[list[int]]) -> None:
+    def record(
+        self, batch: int, budget: int, seconds: float, paths: list[list[int]], full: bool = True
+    ) -> None:
         """What a round of `batch` requests at `budget` took, and the accepted paths (node
-        indices, ascending) of the requests it served."""
+        indices, ascending) of the requests it served; `full`: its call ran the engine's full
+        count of rounds (else its time counts only among a candidate's first samples)."""
         key = (size_bucket(batch), budget)
         self.tries[key] = self.tries.get(key, 0) + 1
         st = self.buckets.get(key[0])
         retry = st is not None and st.trying == budget
-        n = self.samples[key] = self.samples.get(key, 0) + 1
-        a = RETRY_TIME_ALPHA if retry or n <= FIRST_SAMPLES else ALPHA
-        old = self.time.get(key)
-        self.time[key] = seconds if old is None else _avg(old, min(seconds, CLIP * old), a)
+        if full or not FULL_TRIPS_ONLY or self.samples.get(key, 0) < FIRST_SAMPLES:
+            n = self.samples[key] = self.samples.get(key, 0) + 1
+            a = RETRY_TIME_ALPHA if retry or n <= FIRST_SAMPLES else ALPHA
+            old = self.time.get(key)
+            self.time[key] = seconds if old is None else _avg(old, min(seconds, CLIP * old), a)
         if budget <= 0 or not paths:
             return
         n = len(paths)

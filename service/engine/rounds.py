@@ -102,7 +102,8 @@ class Rounds:
         if limit is not None and len(ready) > limit:
             budget = 0  # batch-bound: verify roots only
         elif self.policy is not None:
-            budget = self._adapt("choose", rows, budget, default=budget)
+            full = steps >= self.config.num_scheduler_steps
+            budget = self._adapt("choose", rows, budget, full, default=budget)
         if budget != params.budget:
             params = params.model_copy(update={"budget": budget})
         self.last_budget = budget
@@ -135,7 +136,9 @@ class Rounds:
             # every round's paths (several back to back on the device: static_spec), and a
             # round's time (their mean)
             paths = [p for r, n in done if not isinstance(n, Exception) for p in r.seq.last_paths]
-            self._adapt("record", rows, budget, step_s / self.engine.round_steps, paths)
+            steps = self.engine.round_steps  # a call's time over its rounds: full trips alone
+            full = steps >= self.config.num_scheduler_steps  # time a candidate (adaptive.py)
+            self._adapt("record", rows, budget, step_s / steps, paths, full)
         # past the shared forward each request's outcome is its own: a failure ends that
         # request only (after the tokens its call's earlier rounds made), every other one
         # gets this round's tokens (exactly once)

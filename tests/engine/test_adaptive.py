@@ -160,26 +160,39 @@ def test_one_stalled_round_costs_little(batch):
     assert rate(world, batch, chosen) >= 0.98 * rate(world, batch, [best])
 
 
-def run_runner(adaptive: bool, budget: int, prompts, *, changes=None):
+def run_runner(
+    adaptive: bool, budget: int, prompts, *, changes=None, steps=1, records=None, drafter=None
+):
+    """Greedy answers of `prompts` (then again after `changes`), the (ceiling, budget) of
+    every round, the gauges; `records`: a list that gets (full, rounds the call ran) of every
+    round the policy is told of; `drafter`: the engine's (an n-gram one by default)."""
     cfg = EngineConfig(
         model="tiny-random",
         device="cpu",
         max_batch=4,
+        num_scheduler_steps=steps,
         speculative_adaptive=adaptive,
-        drafter={"kind": "ngram"},
+        drafter=drafter or {"kind": "ngram"},
         params={"budget": budget, "topk": 2},
     )
     runner = EngineRunner(cfg)
     runner.start()
+    if drafter is not None:  # a DFlash drafter: rounds a trip (the host oracle's trees)
+        runner.engine.device_tree = True
     chosen = []
     # the start-up cost model's estimates, before any request
     priors = dict(runner.policy.time) if runner.policy is not None else {}
     free_after_start = runner.engine.free_slots
     if runner.policy is not None:  # a spy on the budgets the rounds use
         choose = runner.policy.choose
-        runner.policy.choose = lambda batch, ceiling: (
-            chosen.append((ceiling, choose(batch, ceiling))) or chosen[-1][1]
+        runner.policy.choose = lambda batch, ceiling, full=True: (
+            chosen.append((ceiling, choose(batch, ceiling, full))) or chosen[-1][1]
         )
+        record = runner.policy.record
+        if records is not None:
+            runner.policy.record = lambda *a: (
+                records.append((a[-1], runner.engine.round_steps)) or record(*a)
+            )
     try:
 
         async def main():
@@ -210,6 +223,28 @@ def test_adaptive_rounds_decode_like_plain_greedy_and_obey_the_live_ceiling():
     assert gauges["free_after_start"] == 4
     assert max(after) <= 3
     assert gauges["spec_budget"] in (0, 1, 3)
+
+
+def test_the_runner_tells_the_policy_which_trips_are_full(tmp_path, monkeypatch):
+    """With --num-scheduler-steps 4 a call runs four rounds, or fewer (a newcomer's first
+    token, a request's last tokens): the policy is told a call is full exactly when it ran
+    four, and the answers stay plain greedy."""
+    from ddserve.engine import tree_triton
+    from ddserve.engine.dflash import save_dflash
+    from ddserve.engine.weights import random_llama, tiny_config
+    from tests.engine.test_lossless import random_dflash
+    from tests.engine.test_tree_triton import host_build_trees
+
+    monkeypatch.setattr(tree_triton, "build_trees", host_build_trees)  # the kernel's oracle
+    save_dflash(random_dflash(random_llama(tiny_config(), 0)), tmp_path / "dd")
+    drafter = {"kind": "dflash", "dflash_path": str(tmp_path / "dd")}
+    prompts = [[1, 5, 6, 5, 6, 5, 6] * 3, [1, 9, 9, 9, 9, 9] * 3, [1, 4, 4, 2] * 4]
+    plain, _, _ = run_runner(False, 0, prompts)
+    records = []
+    outs, _, _ = run_runner(True, 3, prompts, steps=4, records=records, drafter=drafter)
+    assert outs == plain
+    assert all(full == (ran == 4) for full, ran in records), records
+    assert {full for full, _ in records} == {True, False}, records
 
 
 def test_a_candidate_measured_badly_at_first_is_found_again():
@@ -408,3 +443,29 @@ def test_round_times_time_a_round_as_the_live_rounds_do(tmp_path, monkeypatch):
     assert set(times) == {(1, 0), (1, 3), (2, 0), (2, 3)} and eng.free_slots == 2
     assert set(calls) == {(0, 4, 4), (3, 4, 4)}
     assert all(t < 0.1 for t in times.values()), times
+
+
+@pytest.mark.parametrize("batch", [4, 16])
+def test_short_trips_do_not_time_a_candidate(batch):
+    """Four rounds a call (num_scheduler_steps), but half the calls run one (a newcomer's
+    first token): such a call's host round trip (1.5 ms here) falls on its one round. Primed
+    with full trips' times, the policy times candidates from full trips alone and settles on
+    the best budget; timed from every trip, a candidate re-tried on a short one looked up to
+    ~2x slower and the budget in use stayed (s38 on the H100: adaptive at C=16 kept b15 at
+    0.91x of fixed b7's tok/s; here 15 where 7 is best at 4 requests, 7 where 3 is at 16)."""
+    import random
+
+    world, host = World(), 1.5e-3
+    for seed in range(3):
+        policy, rng, chosen = SpecPolicy(), random.Random(seed), []
+        for bt in (1, 2, 4, 8, 16, 32, 64):
+            for b in candidates(16):
+                policy.prior(bt, b, host / 4 + world.seconds(bt, b))
+        for _ in range(3000):
+            k = 4 if rng.random() < 0.5 else 1
+            b = policy.choose(batch, 16, k == 4)
+            seconds = (host + k * world.seconds(batch, b)) / k
+            policy.record(batch, b, seconds, world.paths(b, rng, k * batch), k == 4)
+            chosen.append(b)
+        best = world.best(batch, 16)
+        assert chosen[-2000:].count(best) >= 0.97 * 2000, (seed, best, set(chosen[-2000:]))
