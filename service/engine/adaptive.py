@@ -12,10 +12,10 @@ the GPU and the prompts, so it is measured, not configured:
     rows the round verifies, which the runner tells: the static engine's forward covers
     slots 0..used_rows-1; rounded up to a power of two as its graphs are), an exponential average
     of the rounds themselves (a sample is clipped at 2x the estimate, so a one-off stall
-    such as a graph captured on first use does not poison it), taken from full trips only
-    (with --num-scheduler-steps N, calls of N rounds: a call's host round trip falls on
-    each of a short call's few rounds, which would make a candidate re-tried there look
-    slow);
+    such as a graph captured on first use does not poison it), taken from full calls only
+    (with --num-scheduler-steps N, calls of as many rounds as that budget's calls have run,
+    N where the engine runs several rounds a call: a call's host round trip falls on each of
+    a short call's few rounds, which would make a candidate re-tried there look slow);
   * gain(b): tokens a request gets per round at `b` (1 at budget 0), the same for every
     batch size (acceptance depends on the drafter and the text, not the batch). A best-first
     tree of budget b is the first b nodes of every bigger one, so one round at budget B says
@@ -70,11 +70,12 @@ RETRY_TIME_ALPHA, RETRY_GAIN_ALPHA = 1.0, 0.5
 CLIP = 2.0  # a time sample counts at most CLIP x the current estimate
 EXPLORE_MIN, EXPLORE_MAX = 16, 1024  # rounds between re-tries of another candidate
 FIRST_SAMPLES = 2  # rounds of each candidate at a new batch size; the first one is dropped
-# time a round from full trips only (--num-scheduler-steps of them in one call): a trip of
-# fewer rounds (a newcomer's first token, a prompt joining, a request's last tokens) carries
-# its call's whole host round trip on each of them; timed alike, a candidate re-tried on such
-# a trip looked ~20% slower than it is, so the budget in use stayed (s38, H100 C=16: adaptive
-# kept b15 at 0.91x fixed b7's tok/s). False: every trip's rounds time (before 2026-12-07)
+# time a round from full calls only (as many rounds as the budget's calls have run: N of
+# --num-scheduler-steps where the engine runs several a call, 1 where it cannot): a call of
+# fewer (a newcomer's first token, a prompt joining, a request's last tokens) carries its
+# whole host round trip on each of its rounds; timed alike, a candidate re-tried on such a
+# call looked ~20% slower than it is, so the budget in use stayed (s38, H100 C=16: adaptive
+# kept b15 at 0.91x fixed b7's tok/s). False: every call's rounds time (before 2026-12-07)
 FULL_TRIPS_ONLY = True
 
 
@@ -116,6 +117,7 @@ class SpecPolicy:
     samples: dict[tuple[int, int], int] = field(default_factory=dict)
     tries: dict[tuple[int, int], int] = field(default_factory=dict)  # rounds, ok or not
     failures: set[tuple[int, int]] = field(default_factory=set)  # (bucket, budget) that raised
+    most: dict[int, int] = field(default_factory=dict)  # budget -> the most rounds a call ran
 
     def prior(self, batch: int, budget: int, seconds: float) -> None:
         """A start-up measurement of a round of `budget` at `batch` requests: its first time
@@ -126,8 +128,8 @@ class SpecPolicy:
 
     def choose(self, batch: int, ceiling: int, full: bool = True) -> int:
         """The budget of a round of `batch` requests under the live ceiling; `full`: its call
-        runs the engine's full count of rounds (only such trips re-try other candidates,
-        whose times are taken from full trips)."""
+        is planned at the engine's full count of rounds (only such calls re-try other
+        candidates: their times are taken from full calls)."""
         cands = candidates(ceiling)
         if len(cands) == 1:
             return cands[0]
@@ -198,15 +200,18 @@ class SpecPolicy:
         return 1.0 + sum(self.inc[b] for b in candidates(budget)[1:])
 
     def record(
-        self, batch: int, budget: int, seconds: float, paths: list[list[int]], full: bool = True
+        self, batch: int, budget: int, seconds: float, paths: list[list[int]], rounds: int = 1
     ) -> None:
-        """What a round of `batch` requests at `budget` took, and the accepted paths (node
-        indices, ascending) of the requests it served; `full`: its call ran the engine's full
-        count of rounds (else its time counts only among a candidate's first samples)."""
+        """What a round of `batch` requests at `budget` took (its call's time over the
+        `rounds` it ran), and the accepted paths (node indices, ascending) of the requests it
+        served. A call of fewer rounds than that budget's calls have run times it only among
+        a candidate's first samples."""
         key = (size_bucket(batch), budget)
         self.tries[key] = self.tries.get(key, 0) + 1
         st = self.buckets.get(key[0])
         retry = st is not None and st.trying == budget
+        most = self.most[budget] = max(self.most.get(budget, 0), rounds)
+        full = rounds >= most
         if full or not FULL_TRIPS_ONLY or self.samples.get(key, 0) < FIRST_SAMPLES:
             n = self.samples[key] = self.samples.get(key, 0) + 1
             a = RETRY_TIME_ALPHA if retry or n <= FIRST_SAMPLES else ALPHA

@@ -136,9 +136,9 @@ class Rounds:
             # every round's paths (several back to back on the device: static_spec), and a
             # round's time (their mean)
             paths = [p for r, n in done if not isinstance(n, Exception) for p in r.seq.last_paths]
-            steps = self.engine.round_steps  # a call's time over its rounds: full trips alone
-            full = steps >= self.config.num_scheduler_steps  # time a candidate (adaptive.py)
-            self._adapt("record", rows, budget, step_s / steps, paths, full)
+            # a call's time over the rounds it ran (the policy times from full calls alone)
+            steps = self.engine.round_steps
+            self._adapt("record", rows, budget, step_s / steps, paths, steps)
         # past the shared forward each request's outcome is its own: a failure ends that
         # request only (after the tokens its call's earlier rounds made), every other one
         # gets this round's tokens (exactly once)

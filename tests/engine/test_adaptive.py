@@ -164,8 +164,8 @@ def run_runner(
     adaptive: bool, budget: int, prompts, *, changes=None, steps=1, records=None, drafter=None
 ):
     """Greedy answers of `prompts` (then again after `changes`), the (ceiling, budget) of
-    every round, the gauges; `records`: a list that gets (full, rounds the call ran) of every
-    round the policy is told of; `drafter`: the engine's (an n-gram one by default)."""
+    every round, the gauges; `records`: a list that gets (budget, rounds the policy is told,
+    rounds the call ran) of every call the policy is told of; `drafter`: the engine's (an n-gram one by default)."""
     cfg = EngineConfig(
         model="tiny-random",
         device="cpu",
@@ -191,7 +191,7 @@ def run_runner(
         record = runner.policy.record
         if records is not None:
             runner.policy.record = lambda *a: (
-                records.append((a[-1], runner.engine.round_steps)) or record(*a)
+                records.append((a[1], a[-1], runner.engine.round_steps)) or record(*a)
             )
     try:
 
@@ -225,10 +225,10 @@ def test_adaptive_rounds_decode_like_plain_greedy_and_obey_the_live_ceiling():
     assert gauges["spec_budget"] in (0, 1, 3)
 
 
-def test_the_runner_tells_the_policy_which_trips_are_full(tmp_path, monkeypatch):
+def test_the_runner_tells_the_policy_the_rounds_of_a_call(tmp_path, monkeypatch):
     """With --num-scheduler-steps 4 a call runs four rounds, or fewer (a newcomer's first
-    token, a request's last tokens): the policy is told a call is full exactly when it ran
-    four, and the answers stay plain greedy."""
+    token, a request's last tokens): the policy is told the rounds each call ran (it times
+    candidates from full calls), and the answers stay plain greedy."""
     from ddserve.engine import tree_triton
     from ddserve.engine.dflash import save_dflash
     from ddserve.engine.weights import random_llama, tiny_config
@@ -243,8 +243,9 @@ def test_the_runner_tells_the_policy_which_trips_are_full(tmp_path, monkeypatch)
     records = []
     outs, _, _ = run_runner(True, 3, prompts, steps=4, records=records, drafter=drafter)
     assert outs == plain
-    assert all(full == (ran == 4) for full, ran in records), records
-    assert {full for full, _ in records} == {True, False}, records
+    assert all(told == ran for _, told, ran in records), records
+    drafting = {ran for b, _, ran in records if b > 0}
+    assert 4 in drafting and min(drafting) < 4, records
 
 
 def test_a_candidate_measured_badly_at_first_is_found_again():
@@ -465,7 +466,22 @@ def test_short_trips_do_not_time_a_candidate(batch):
             k = 4 if rng.random() < 0.5 else 1
             b = policy.choose(batch, 16, k == 4)
             seconds = (host + k * world.seconds(batch, b)) / k
-            policy.record(batch, b, seconds, world.paths(b, rng, k * batch), k == 4)
+            policy.record(batch, b, seconds, world.paths(b, rng, k * batch), k)
             chosen.append(b)
         best = world.best(batch, 16)
         assert chosen[-2000:].count(best) >= 0.97 * 2000, (seed, best, set(chosen[-2000:]))
+
+
+def test_a_budget_whose_calls_run_one_round_is_still_timed():
+    """Where the engine runs one round a call at a budget (no device trees: a CPU, an n-gram
+    drafter) while budget 0 runs four, that budget's calls are its full calls: its time
+    follows its rounds (here 3x slower after a while) and the policy leaves it."""
+    world, policy = World(), primed(World(), batches=(16,))
+    for _ in range(3000):
+        b = policy.choose(16, 16)
+        k = 4 if b == 0 else 1
+        slow = 3.0 if b == 3 and policy.tries.get((16, 3), 0) > 200 else 1.0
+        policy.record(16, b, slow * world.seconds(16, b), world.paths(b), k)
+    assert world.best(16, 16) == 3
+    assert policy.time[(16, 3)] > 1.5 * world.seconds(16, 3)  # until another is best
+    assert policy.choose(16, 16) != 3
