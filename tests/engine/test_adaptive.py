@@ -165,7 +165,8 @@ def run_runner(
 ):
     """Greedy answers of `prompts` (then again after `changes`), the (ceiling, budget) of
     every round, the gauges; `records`: a list that gets (budget, rounds the policy is told,
-    rounds the call ran) of every call the policy is told of; `drafter`: the engine's (an n-gram one by default)."""
+    rounds the call ran) of every call the policy is told of; `drafter`: the engine's (an
+    n-gram one by default)."""
     cfg = EngineConfig(
         model="tiny-random",
         device="cpu",
