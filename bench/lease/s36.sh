@@ -10,12 +10,7 @@
 #   3  carry .carry/r3        16 waves, share 0.5: old catch-up (b0, adaptive; C=64), new (AR, b0,
 #                             b7, adaptive; C=16/64), then adaptive under cProfile at C=64;
 #                             then the GPU tests (tests/engine -k cuda) in the time left
-mkdir -p /root/parts
-cp .carry/r*/* /root/parts/ 2>/dev/null
-. bench/device_env.sh /root/parts
-quiet() { grep -v -i -e warn -e transformers -e Convert -e Loading; }
-table() { grep -e "^config" -e "^[ad][a-z0-9@-]* *[0-9]" -e Error | cut -c1-140; }
-LOAD="--device cuda --requests 32 --waves 16 --max-tokens 128 --prompt-set heldout:16 --first-token-share 0.5 --out $OUT"
+. bench/lease/load_env.sh
 case ${CALL:?} in
 [12]) ls -la /root/parts | tail -2 ;;
 3)

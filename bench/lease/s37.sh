@@ -25,12 +25,7 @@ if [ -n "${PACK:-}" ]; then  # here: `PACK=1 bash bench/lease/s37.sh` (NO_RAY=1 
     du -sb .carry/r? .whl
     exit 0
 fi
-mkdir -p /root/parts
-cp .carry/r*/* /root/parts/ 2>/dev/null
-. bench/device_env.sh /root/parts
-quiet() { grep -v -i -e warn -e transformers -e Convert -e Loading; }
-table() { grep -e "^config" -e "^[ad][a-z0-9@-]* *[0-9]" -e Error | cut -c1-140; }
-LOAD="--device cuda --requests 32 --waves 16 --max-tokens 128 --prompt-set heldout:16 --first-token-share 0.5 --out $OUT"
+. bench/lease/load_env.sh
 case ${CALL:?} in
 [12]) ls -la /root/parts | tail -2 ;;
 3)

@@ -20,12 +20,7 @@
 case ${CALL:?} in
 [12]) exec bash bench/lease/s37.sh ;;
 esac
-mkdir -p /root/parts
-cp .carry/r*/* /root/parts/ 2>/dev/null
-. bench/device_env.sh /root/parts
-quiet() { grep -v -i -e warn -e transformers -e Convert -e Loading; }
-table() { grep -e "^config" -e "^[ad][a-z0-9@-]* *[0-9]" -e Error | cut -c1-140; }
-LOAD="--device cuda --requests 32 --waves 16 --max-tokens 128 --prompt-set heldout:16 --first-token-share 0.5 --out $OUT"
+. bench/lease/load_env.sh
 if [ "$CALL" = 4 ]; then
     echo '{"engine": {"ROUND_TIMES_TRIPS": false}}' >/tmp/old_prior.json
     timeout 200 python3 -m ddserve.bench.engine_load $LOAD --concurrency 16,64 \

@@ -12,12 +12,7 @@
 case ${CALL:?} in
 [12]) exec bash bench/lease/s37.sh ;;
 esac
-mkdir -p /root/parts
-cp .carry/r*/* /root/parts/ 2>/dev/null
-. bench/device_env.sh /root/parts
-quiet() { grep -v -i -e warn -e transformers -e Convert -e Loading; }
-table() { grep -e "^config" -e "^[ad][a-z0-9@-]* *[0-9]" -e Error | cut -c1-140; }
-LOAD="--device cuda --requests 32 --waves 16 --max-tokens 128 --prompt-set heldout:16 --first-token-share 0.5 --out $OUT"
+. bench/lease/load_env.sh
 timeout 300 python3 -m ddserve.bench.engine_load $LOAD --concurrency 2,16,64 \
     --configs ar@steps4,dflash-b7k4@steps4,dflash-b15k4@adaptive@steps4 --name full_trips \
     2>&1 | quiet | table

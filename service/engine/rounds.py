@@ -137,8 +137,8 @@ class Rounds:
             # round's time (their mean)
             paths = [p for r, n in done if not isinstance(n, Exception) for p in r.seq.last_paths]
             # a call's time over the rounds it ran (the policy times from full calls alone)
-            steps = self.engine.round_steps
-            self._adapt("record", rows, budget, step_s / steps, paths, steps)
+            ran = self.engine.round_steps
+            self._adapt("record", rows, budget, step_s / ran, paths, ran)
         # past the shared forward each request's outcome is its own: a failure ends that
         # request only (after the tokens its call's earlier rounds made), every other one
         # gets this round's tokens (exactly once)
